@@ -1,0 +1,159 @@
+"""Collective latency and world setup cost: meshsim ``sim`` vs torch's threaded PG vs meshsim ``gloo``.
+
+Run: ``python benchmarks/bench_meshsim.py`` (``--quick`` for fewer repetitions).
+
+Every backend is measured in the same run, interleaved round by round, and the
+table reports medians over rounds, so the ratios are meaningful on a shared,
+noisy machine even when the absolute numbers are not. Not a test: nothing here
+asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import meshsim
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+ELEMS = 256  # 1 KiB of float32
+
+
+def _ops(iters: int) -> dict[str, Callable[[], float]]:
+    """Per-rank loops; each returns seconds per call."""
+
+    def all_gather() -> float:
+        x = torch.ones(ELEMS)
+        out = torch.empty(ELEMS * dist.get_world_size())
+        return _loop(lambda: dist.all_gather_into_tensor(out, x), iters)
+
+    def all_reduce() -> float:
+        x = torch.ones(ELEMS)
+        return _loop(lambda: dist.all_reduce(x), iters)
+
+    def all_to_all() -> float:
+        ws = dist.get_world_size()
+        x = torch.ones(ELEMS * ws)
+        out = torch.empty(ELEMS * ws)
+        return _loop(lambda: dist.all_to_all_single(out, x), iters)
+
+    return {"all_gather_into_tensor": all_gather, "all_reduce": all_reduce, "all_to_all_single": all_to_all}
+
+
+def _loop(call: Callable[[], object], iters: int) -> float:
+    call()  # warm-up
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - start) / iters
+
+
+# -- torch's threaded process group (torch.testing._internal.distributed.multi_threaded_pg) --
+
+
+def _run_threaded(fn: Callable[[], float], world_size: int) -> list[float]:
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    results: list[float] = [0.0] * world_size
+
+    def rank_main(rank: int) -> None:
+        torch.set_num_threads(1)
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        results[rank] = fn()
+        dist.destroy_process_group()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        mtpg.ProcessLocalGroup.reset()
+        mtpg._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    return results
+
+
+def _runners() -> dict[str, Callable[[Callable[[], float], int], list[float]]]:
+    return {
+        "meshsim sim": lambda fn, ws: meshsim.run(fn, ws),
+        "torch threaded": _run_threaded,
+        "meshsim gloo": lambda fn, ws: meshsim.run(fn, ws, backend="gloo"),
+    }
+
+
+def _noop() -> float:
+    return 0.0
+
+
+def _setup_cost(runner: Callable[[Callable[[], float], int], list[float]], ws: int, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        runner(_noop, ws)
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations and rounds")
+    args = parser.parse_args()
+    iters, rounds = (100, 3) if args.quick else (400, 5)
+    runners = _runners()
+    sizes = (2, 4, 8)
+    table: dict[tuple[str, str, int], list[float]] = {}
+    for _ in range(rounds):
+        for ws in sizes:
+            for op, fn in _ops(iters).items():
+                for name, runner in runners.items():
+                    n = iters if name != "meshsim gloo" else max(10, iters // 10)
+                    per_call = max(runner(_ops(n)[op], ws))
+                    table.setdefault((op, name, ws), []).append(per_call)
+            for name, runner in runners.items():
+                reps = 50 if name != "meshsim gloo" else 3
+                table.setdefault(("setup+teardown", name, ws), []).append(_setup_cost(runner, ws, reps))
+    _print(table, runners, sizes)
+    _big_world()
+
+
+def _print(table: dict[tuple[str, str, int], list[float]], runners: dict[str, object], sizes: tuple[int, ...]) -> None:
+    names = list(runners)
+    header = f"{'operation':24} {'ws':>3} " + " ".join(f"{n:>16}" for n in names) + f" {'threaded/sim':>13}"
+    print("median microseconds per call (per world for setup+teardown), 1 KiB float32")
+    print(header)
+    print("-" * len(header))
+    ops = ["all_gather_into_tensor", "all_reduce", "all_to_all_single", "setup+teardown"]
+    for op in ops:
+        for ws in sizes:
+            med = {n: statistics.median(table[(op, n, ws)]) * 1e6 for n in names}
+            ratio = med["torch threaded"] / med["meshsim sim"]
+            cells = " ".join(f"{med[n]:16.1f}" for n in names)
+            print(f"{op:24} {ws:>3} {cells} {ratio:12.2f}x")
+
+
+def _big_world() -> None:
+    def body() -> float:
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        return float(x[0])
+
+    start = time.perf_counter()
+    values = meshsim.run(body, 256, timeout=300)
+    elapsed = time.perf_counter() - start
+    ok = all(v == 256.0 for v in values)
+    print(f"\n256-rank world, one all_reduce: {'correct' if ok else 'WRONG'} in {elapsed:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

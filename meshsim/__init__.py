@@ -1,0 +1,21 @@
+"""meshsim: run distributed PyTorch code on N simulated ranks, with an exact collective ledger.
+
+See the README for a guide; every name below is documented where it is defined.
+"""
+
+from __future__ import annotations
+
+from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError
+from meshsim._ledger import Collective, Ledger, record
+from meshsim._world import run
+
+__all__ = [
+    "Collective",
+    "CollectiveMismatchError",
+    "DeadlockError",
+    "Ledger",
+    "MeshError",
+    "RankError",
+    "record",
+    "run",
+]

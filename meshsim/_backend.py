@@ -1,0 +1,613 @@
+"""The in-memory c10d backend: a ``torch.distributed.ProcessGroup`` whose methods are rendezvous.
+
+c10d calls these methods from plain ``dist.*`` calls (Python) and from functional
+collectives, DTensor, DDP and FSDP (C++, through torch's Python trampoline). Each
+method checks its own arguments as torch would, records a ledger entry, joins the
+rendezvous for its sequence number, and returns once every rank of the group has
+arrived and the data has moved. ``async_op=True`` therefore returns a Work that is
+already complete: the program's collective order is the one every backend sees.
+
+Receives are the exception: ``irecv`` returns a pending Work, so that
+``batch_isend_irecv`` and irecv-before-isend patterns work. Sends are buffered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshsim import _ledger, _ops
+from meshsim import _movement as mv
+from meshsim._ledger import Collective
+from meshsim._rendezvous import Call, Message, PostedRecv, Rendezvous
+from meshsim._scheduler import Scheduler
+from meshsim._torch_private import completed_work
+
+__all__ = ["BACKEND_NAME", "RankContext", "SimProcessGroup", "bind_rank", "create_process_group"]
+
+BACKEND_NAME = "meshsim"
+Tensor = torch.Tensor
+
+
+@dataclass
+class RankContext:
+    """What a rank thread's process groups need from their world."""
+
+    rank: int
+    world_size: int
+    scheduler: Scheduler
+    rendezvous: Rendezvous
+
+
+_local = threading.local()
+
+
+def bind_rank(context: RankContext | None) -> None:
+    """Make ``context`` the calling thread's world for groups it creates."""
+    _local.context = context
+
+
+def create_process_group(opts: Any, backend_options: Any) -> SimProcessGroup:
+    """The c10d backend creator (``register_backend(..., extended_api=True)``)."""
+    context: RankContext | None = getattr(_local, "context", None)
+    if context is None:
+        raise RuntimeError(
+            f"the {BACKEND_NAME!r} backend only works inside meshsim.run(); "
+            "init_process_group() was called from a thread that is not a simulated rank"
+        )
+    ranks = tuple(opts.global_ranks_in_group) or tuple(range(opts.group_size))
+    group = context.rendezvous.group(str(opts.group_id), ranks, context.rank)
+    return SimProcessGroup(context, group, opts.group_rank)
+
+
+class SimWork(dist.Work):
+    """A pending receive; ``wait()`` blocks cooperatively until its message arrives."""
+
+    def __init__(self, context: RankContext, recv: PostedRecv) -> None:
+        super().__init__()
+        self._context = context
+        self._recv = recv
+
+    def wait(self, timeout: object = None) -> bool:
+        self._context.scheduler.wait(self._context.rank, self._recv)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._recv.done
+
+    def is_success(self) -> bool:
+        return self._recv.done and self._recv.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._recv.error
+
+    def result(self) -> list[Tensor]:
+        return self._recv.tensors
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future[list[Tensor]]:
+        self.wait()
+        fut: torch.futures.Future[list[Tensor]] = torch.futures.Future()
+        fut.set_result(self._recv.tensors)
+        return fut
+
+    def _source_rank(self) -> int:
+        self.wait()
+        assert self._recv.source is not None  # set when the message was delivered
+        return self._recv.source
+
+    source_rank = _source_rank
+
+
+def _meta(tensors: Sequence[Tensor]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _desc(t: Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _descs(tensors: Sequence[Tensor]) -> str:
+    return ", ".join(_desc(t) for t in tensors)
+
+
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _dtype(tensors: Sequence[Tensor]) -> torch.dtype | None:
+    dtypes = {t.dtype for t in tensors}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+_OP_NAMES: dict[Any, str] = {}
+
+
+def _reduce_op(opts: Any) -> tuple[str, Any]:
+    """The reduce op's name and, for PREMUL_SUM, its factor."""
+    if opts is None:
+        return "SUM", None
+    op = opts.reduceOp
+    kind = getattr(op, "op", op)
+    name = _OP_NAMES.get(kind)
+    if name is None:
+        name = _OP_NAMES[kind] = kind.name
+    return name, (op.factor if name == "PREMUL_SUM" else None)
+
+
+_DTYPE_PROBLEMS: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def _reduce_problem(op: str, dtype: torch.dtype) -> str | None:
+    key = (op, dtype)
+    if key not in _DTYPE_PROBLEMS:
+        _DTYPE_PROBLEMS[key] = mv.check_reduce_dtype(op, dtype)
+    return _DTYPE_PROBLEMS[key]
+
+
+class SimProcessGroup(dist.ProcessGroup):
+    """One rank's handle on one simulated process group."""
+
+    def __init__(self, context: RankContext, group: Any, group_rank: int) -> None:
+        super().__init__(group_rank, group.size)
+        self._context = context
+        self._group = group
+        self._group_rank = group_rank
+        self._seq = 0
+        self._p2p_seq: dict[tuple[str, int], int] = {}
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group.name
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def shutdown(self) -> None:
+        """Nothing to release: the world owns every buffer."""
+
+    def abort(self) -> None:
+        """Nothing to release: the world owns every buffer."""
+
+    def __repr__(self) -> str:
+        return f"SimProcessGroup(ranks={list(self._group.ranks)}, rank={self._group_rank})"
+
+    # -- the common path ----------------------------------------------------------
+
+    def _collective(
+        self,
+        *,
+        op: str,
+        api: str,
+        signature: tuple[Any, ...],
+        describe: Callable[[], str],
+        payload: Any,
+        execute: Callable[[Sequence[Call]], None],
+        compat: Callable[[Sequence[Call]], str | None] | None = None,
+        ledger: Callable[[], tuple[torch.dtype | None, int, int]],
+        reduce_op: str | None = None,
+        root: int | None = None,
+        result: object = None,
+    ) -> dist.Work:
+        site = _ledger.call_site(2)
+        seq = self._seq
+        self._seq += 1
+        ranks = self._group.ranks
+        if _ledger.is_recording():
+            peer = ranks[root] if root is not None else None
+            dtype, bytes_in, bytes_out = ledger()
+            _ledger.append(
+                Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer)
+            )
+        call = Call(self._group_rank, op, signature, describe, site, payload, execute, compat)
+        context = self._context
+        slot = context.rendezvous.arrive(self._group, seq, call)
+        context.scheduler.wait(context.rank, slot)
+        return completed_work(result)
+
+    def _check_reduce(self, op: str, tensors: Sequence[Tensor], api: str) -> None:
+        for t in tensors:
+            problem = _reduce_problem(op, t.dtype)
+            if problem is not None:
+                raise ValueError(f"{api}: {problem}")
+
+    def _check_root(self, root: int, api: str) -> None:
+        if not 0 <= root < self._group.size:
+            raise ValueError(
+                f"{api}: root rank {root} is not a rank of this {self._group.size}-rank group"
+            )
+
+    # -- reductions -------------------------------------------------------------
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        api = "all_reduce" if len(tensors) == 1 else "all_reduce_coalesced"
+        return self._all_reduce(tensors, opts, api)
+
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    def _all_reduce(self, tensors: list[Tensor], opts: Any, api: str) -> dist.Work:
+        op, factor = _reduce_op(opts)
+        self._check_reduce(op, tensors, api)
+        return self._collective(
+            op="all_reduce",
+            api=api,
+            signature=(op, _meta(tensors)),
+            describe=lambda: f"{api}({_descs(tensors)}, {op})",
+            payload=(tensors, op, factor),
+            execute=_ops.all_reduce,
+            ledger=lambda: (_dtype(tensors), _nbytes(tensors), _nbytes(tensors)),
+            reduce_op=op,
+            result=tensors,
+        )
+
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+        tensors = list(tensors)
+        op, factor = _reduce_op(opts)
+        root = opts.rootRank if opts is not None else 0
+        self._check_reduce(op, tensors, "reduce")
+        self._check_root(root, "reduce")
+        nbytes = _nbytes(tensors)
+        return self._collective(
+            op="reduce",
+            api="reduce",
+            signature=(op, root, _meta(tensors)),
+            describe=lambda: f"reduce({_descs(tensors)}, {op}, dst={root})",
+            payload=(tensors, root, op, factor),
+            execute=_ops.reduce,
+            ledger=lambda: (_dtype(tensors), nbytes, nbytes if self._group_rank == root else 0),
+            reduce_op=op,
+            root=root,
+            result=tensors,
+        )
+
+    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:
+        outputs, input_lists = list(outputs), [list(x) for x in input_lists]
+        op, factor = _reduce_op(opts)
+        self._check_reduce(op, outputs, "reduce_scatter")
+        self._check_lists(input_lists, outputs, "reduce_scatter", "input")
+        flat_in = [t for lst in input_lists for t in lst]
+        return self._collective(
+            op="reduce_scatter",
+            api="reduce_scatter",
+            signature=(op, tuple(t.dtype for t in flat_in + outputs)),
+            describe=lambda: f"reduce_scatter({_descs(outputs)} <- {len(flat_in)} tensors, {op})",
+            payload=(outputs, input_lists, op, factor),
+            execute=_ops.reduce_scatter,
+            compat=_ops.reduce_scatter_compat,
+            ledger=lambda: (_dtype(outputs), _nbytes(flat_in), _nbytes(outputs)),
+            reduce_op=op,
+            result=outputs,
+        )
+
+    def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
+        return self._reduce_scatter_tensor([output], [input], opts, "reduce_scatter_tensor")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        api = "reduce_scatter_tensor" if len(outputs) == 1 else "reduce_scatter_tensor_coalesced"
+        return self._reduce_scatter_tensor(list(outputs), list(inputs), opts, api)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter_tensor(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, api: str) -> dist.Work:
+        op, factor = _reduce_op(opts)
+        self._check_reduce(op, inputs, api)
+        self._check_sized(outputs, inputs, api, "input", "output")
+        return self._collective(
+            op="reduce_scatter",
+            api=api,
+            signature=(op, _meta(inputs), _meta(outputs)),
+            describe=lambda: f"{api}({_descs(inputs)} -> {_descs(outputs)}, {op})",
+            payload=(outputs, inputs, op, factor),
+            execute=_ops.reduce_scatter_tensor,
+            ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(outputs)),
+            reduce_op=op,
+            result=outputs,
+        )
+
+    # -- gathers ------------------------------------------------------------------
+
+    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        output_lists, inputs = [list(x) for x in output_lists], list(inputs)
+        return self._all_gather(output_lists, inputs, "all_gather")
+
+    def allgather_coalesced(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        # c10d's all_gather_coalesced passes one list per rank, each with every input;
+        # regroup to one list per input, each with every rank, as allgather takes.
+        per_input = [[rank_list[j] for rank_list in output_lists] for j in range(len(inputs))]
+        return self._all_gather(per_input, list(inputs), "all_gather_coalesced")
+
+    def _all_gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], api: str) -> dist.Work:
+        self._check_lists(output_lists, inputs, api, "output")
+        flat_out = [t for lst in output_lists for t in lst]
+        return self._collective(
+            op="all_gather",
+            api=api,
+            signature=(tuple(t.dtype for t in inputs + flat_out), len(inputs)),
+            describe=lambda: f"{api}({_descs(inputs)} -> {len(flat_out)} tensors)",
+            payload=(output_lists, inputs),
+            execute=_ops.all_gather,
+            compat=_ops.all_gather_compat,
+            ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(flat_out)),
+            result=output_lists,
+        )
+
+    def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
+        return self._all_gather_into_tensor([output], [input], "all_gather_into_tensor")
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        api = "all_gather_into_tensor" if len(outputs) == 1 else "all_gather_into_tensor_coalesced"
+        return self._all_gather_into_tensor(list(outputs), list(inputs), api)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _all_gather_into_tensor(self, outputs: list[Tensor], inputs: list[Tensor], api: str) -> dist.Work:
+        self._check_sized(inputs, outputs, api, "output", "input")
+        return self._collective(
+            op="all_gather",
+            api=api,
+            signature=(_meta(inputs), _meta(outputs)),
+            describe=lambda: f"{api}({_descs(inputs)} -> {_descs(outputs)})",
+            payload=(outputs, inputs),
+            execute=_ops.all_gather_into_tensor,
+            ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(outputs)),
+            result=outputs,
+        )
+
+    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "gather")
+        inputs = list(inputs)
+        outputs = list(output_lists[0]) if output_lists else None
+        self._check_rooted(outputs, root, inputs[0], "gather", "gather_list")
+        return self._collective(
+            op="gather",
+            api="gather",
+            signature=(root, inputs[0].dtype),
+            describe=lambda: f"gather({_desc(inputs[0])}, dst={root})",
+            payload=(outputs, inputs[0], root),
+            execute=_ops.gather,
+            compat=_ops.gather_compat,
+            ledger=lambda: (inputs[0].dtype, _nbytes(inputs), _nbytes(outputs) if outputs else 0),
+            root=root,
+            result=outputs,
+        )
+
+    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "scatter")
+        outputs = list(outputs)
+        inputs = list(input_lists[0]) if input_lists else None
+        self._check_rooted(inputs, root, outputs[0], "scatter", "scatter_list")
+        return self._collective(
+            op="scatter",
+            api="scatter",
+            signature=(root, outputs[0].dtype),
+            describe=lambda: f"scatter(-> {_desc(outputs[0])}, src={root})",
+            payload=(outputs[0], inputs, root),
+            execute=_ops.scatter,
+            compat=_ops.scatter_compat,
+            ledger=lambda: (outputs[0].dtype, _nbytes(inputs) if inputs else 0, _nbytes(outputs)),
+            root=root,
+            result=outputs,
+        )
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "broadcast")
+        nbytes = _nbytes(tensors)
+        is_root = self._group_rank == root
+        return self._collective(
+            op="broadcast",
+            api="broadcast",
+            signature=(root, _meta(tensors)),
+            describe=lambda: f"broadcast({_descs(tensors)}, src={root})",
+            payload=(tensors, root),
+            execute=_ops.broadcast,
+            ledger=lambda: (_dtype(tensors), nbytes if is_root else 0, 0 if is_root else nbytes),
+            root=root,
+            result=tensors,
+        )
+
+    # -- all to all -----------------------------------------------------------------
+
+    def all_to_all_single(
+        self,
+        output: Tensor,
+        input: Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        size = self._group.size
+        out_splits = self._splits(output, output_split_sizes, "output")
+        in_splits = self._splits(input, input_split_sizes, "input")
+        return self._collective(
+            op="all_to_all",
+            api="all_to_all_single",
+            signature=(input.dtype, output.dtype),
+            describe=lambda: f"all_to_all_single({_desc(input)} split {in_splits} -> {_desc(output)} split {out_splits})",
+            payload=(output, input, out_splits, in_splits),
+            execute=_ops.all_to_all_single,
+            compat=_ops.all_to_all_single_compat if size > 1 else None,
+            ledger=lambda: (input.dtype, _nbytes([input]), _nbytes([output])),
+            result=[output],
+        )
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+        outputs, inputs = list(outputs), list(inputs)
+        for name, lst in (("output", outputs), ("input", inputs)):
+            if len(lst) != self._group.size:
+                raise ValueError(
+                    f"all_to_all: the {name} list has {len(lst)} tensors; a "
+                    f"{self._group.size}-rank group needs one per rank"
+                )
+        return self._collective(
+            op="all_to_all",
+            api="all_to_all",
+            signature=(tuple(t.dtype for t in inputs + outputs),),
+            describe=lambda: f"all_to_all({_descs(inputs)} -> {_descs(outputs)})",
+            payload=(outputs, inputs),
+            execute=_ops.all_to_all,
+            compat=_ops.all_to_all_compat,
+            ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(outputs)),
+            result=outputs,
+        )
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._collective(
+            op="barrier",
+            api="barrier",
+            signature=(),
+            describe=lambda: "barrier()",
+            payload=None,
+            execute=_ops.barrier,
+            ledger=lambda: (None, 0, 0),
+        )
+
+    # -- point to point -------------------------------------------------------------
+
+    def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> dist.Work:
+        tensors = list(tensors)
+        self._check_peer(dstRank, "send")
+        site = _ledger.call_site(2)
+        self._record_p2p("send", dstRank, tensors, site)
+        text = f"send({_descs(tensors)}, dst={self._group.ranks[dstRank]}, tag={tag})"
+        with torch.no_grad():
+            copies = [t.detach().clone() for t in tensors]
+        message = Message(self._group_rank, dstRank, tag, copies, text, site)
+        scheduler = self._context.scheduler
+        with scheduler.lock:
+            scheduler.raise_if_aborted()
+            self._group.mailbox.send(message, scheduler)
+        return completed_work(tensors)
+
+    def recv(self, tensors: list[Tensor], srcRank: int, tag: int = 0) -> dist.Work:
+        self._check_peer(srcRank, "recv")
+        return self._recv(list(tensors), srcRank, tag)
+
+    def recv_anysource(self, tensors: list[Tensor], tag: int = 0) -> dist.Work:
+        return self._recv(list(tensors), None, tag)
+
+    def _recv(self, tensors: list[Tensor], src: int | None, tag: int) -> dist.Work:
+        site = _ledger.call_site(3)
+        self._record_p2p("recv", src, tensors, site)
+        who = "any rank" if src is None else f"rank {self._group.ranks[src]}"
+        text = f"recv({_descs(tensors)}) from {who} (tag {tag})"
+        mailbox = self._group.mailbox
+        recv = PostedRecv(mailbox, self._group_rank, src, tag, tensors, text, site, _deliver)
+        scheduler = self._context.scheduler
+        with scheduler.lock:
+            scheduler.raise_if_aborted()
+            mailbox.post(recv, scheduler)
+        return SimWork(self._context, recv)
+
+    def _record_p2p(self, op: str, peer: int | None, tensors: list[Tensor], site: str) -> None:
+        key = (op, -1 if peer is None else peer)
+        seq = self._p2p_seq.get(key, 0)
+        self._p2p_seq[key] = seq + 1
+        if _ledger.is_recording():
+            nbytes = _nbytes(tensors)
+            sent, received = (nbytes, 0) if op == "send" else (0, nbytes)
+            ranks = self._group.ranks
+            peer_rank = None if peer is None else ranks[peer]
+            _ledger.append(
+                Collective(op, op, ranks, _dtype(tensors), sent, received, None, seq, site, peer_rank)
+            )
+
+    # -- argument checks --------------------------------------------------------------
+
+    def _check_peer(self, peer: int, api: str) -> None:
+        if not 0 <= peer < self._group.size:
+            raise ValueError(f"{api}: peer rank {peer} is not a rank of this {self._group.size}-rank group")
+        if peer == self._group_rank:
+            raise ValueError(f"{api}: rank {self._group.ranks[peer]} cannot {api} to or from itself")
+
+    def _check_lists(self, lists: list[list[Tensor]], singles: list[Tensor], api: str, what: str) -> None:
+        size = self._group.size
+        if len(lists) != len(singles):
+            raise ValueError(f"{api}: got {len(lists)} {what} lists for {len(singles)} tensors")
+        for lst in lists:
+            if len(lst) != size:
+                raise ValueError(
+                    f"{api}: each {what} list must hold one tensor per rank of the "
+                    f"{size}-rank group, got {len(lst)}"
+                )
+
+    def _check_sized(self, small: list[Tensor], big: list[Tensor], api: str, big_name: str, small_name: str) -> None:
+        size = self._group.size
+        if len(small) != len(big):
+            raise ValueError(f"{api}: got {len(big)} {big_name} tensors for {len(small)} {small_name} tensors")
+        for s, b in zip(small, big):
+            if b.numel() != s.numel() * size:
+                raise ValueError(
+                    f"{api}: the {big_name} tensor {_desc(b)} must hold {size} times the "
+                    f"elements of the {small_name} tensor {_desc(s)} ({s.numel() * size}), "
+                    f"got {b.numel()}"
+                )
+            if not b.is_contiguous():
+                raise ValueError(f"{api}: the {big_name} tensor must be contiguous")
+            if b.dtype != s.dtype:
+                raise ValueError(f"{api}: {big_name} dtype {b.dtype} differs from {small_name} dtype {s.dtype}")
+
+    def _check_rooted(self, lst: list[Tensor] | None, root: int, single: Tensor, api: str, name: str) -> None:
+        if self._group_rank == root:
+            if lst is None or len(lst) != self._group.size:
+                got = 0 if lst is None else len(lst)
+                raise ValueError(
+                    f"{api}: the root must pass a {name} of {self._group.size} tensors, got {got}"
+                )
+        elif lst:
+            raise ValueError(f"{api}: only the root (rank {root} of the group) may pass a {name}")
+
+    def _splits(self, tensor: Tensor, splits: Sequence[int] | None, name: str) -> list[int]:
+        size = self._group.size
+        dim0 = tensor.size(0) if tensor.dim() > 0 else 0
+        if not splits:
+            if dim0 % size:
+                raise ValueError(
+                    f"all_to_all_single: {name} dim 0 ({dim0}) must divide by the group size "
+                    f"({size}) when no {name} split sizes are given"
+                )
+            return mv.split_sizes(dim0, (), size)
+        splits = [int(s) for s in splits]
+        if len(splits) != size or sum(splits) != dim0 or min(splits) < 0:
+            raise ValueError(
+                f"all_to_all_single: {name} split sizes {splits} must be {size} non-negative "
+                f"numbers summing to the {name}'s dim 0 ({dim0})"
+            )
+        return splits
+
+
+@torch.no_grad()
+def _deliver(message: Message, recv: PostedRecv) -> str | None:
+    """Copy a message into its receive, or say why they do not fit."""
+    if len(message.tensors) != len(recv.tensors):
+        return f"{len(message.tensors)} tensors sent, {len(recv.tensors)} expected"
+    for sent, into in zip(message.tensors, recv.tensors):
+        if sent.dtype != into.dtype or sent.numel() != into.numel():
+            return f"sent {_desc(sent)}, receiving into {_desc(into)}"
+    for sent, into in zip(message.tensors, recv.tensors):
+        into.detach().copy_(sent.reshape(into.shape))
+    return None

@@ -1,0 +1,131 @@
+"""The errors a simulated world reports: every one names the ranks involved and where they stand."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "CollectiveMismatchError",
+    "DeadlockError",
+    "MeshError",
+    "RankError",
+    "WorldAborted",
+]
+
+
+class MeshError(Exception):
+    """Base class of every error meshsim reports about a world of ranks."""
+
+
+class RankError(MeshError):
+    """A rank's own code raised; the original exception is the ``__cause__``.
+
+    Attributes:
+        rank: the global rank whose code raised first.
+        world_size: the number of ranks in the world.
+        failures: every rank that raised on its own, in the order they raised,
+            as ``(rank, exception)`` pairs (``failures[0]`` is ``rank``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rank_traceback: str,
+        failures: Sequence[tuple[int, BaseException]] = (),
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.rank_traceback = rank_traceback
+        self.failures = tuple(failures)
+        others = [r for r, _ in self.failures if r != rank]
+        also = f" (ranks {', '.join(map(str, others))} raised too)" if others else ""
+        super().__init__(
+            f"rank {rank} of {world_size} raised{also}; its traceback:\n"
+            f"{rank_traceback.rstrip()}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.rank, self.world_size, self.rank_traceback))
+
+
+class CollectiveMismatchError(MeshError):
+    """Ranks entered different collectives at the same point of a group's sequence.
+
+    Attributes:
+        group: the global ranks of the group.
+        seq: the position of the call in that group's sequence (0 is the first).
+        ranks: the ranks whose call differs from the others'.
+        calls: each rank's call, as text, by global rank (ranks that had not
+            arrived are absent).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: tuple[int, ...] = (),
+        seq: int = -1,
+        ranks: tuple[int, ...] = (),
+        calls: Mapping[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.group = group
+        self.seq = seq
+        self.ranks = ranks
+        self.calls = dict(calls or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_mismatch, (str(self), self.group, self.seq, self.ranks, self.calls))
+
+
+def _rebuild_mismatch(
+    message: str,
+    group: tuple[int, ...],
+    seq: int,
+    ranks: tuple[int, ...],
+    calls: Mapping[int, str],
+) -> CollectiveMismatchError:
+    return CollectiveMismatchError(message, group=group, seq=seq, ranks=ranks, calls=calls)
+
+
+class DeadlockError(MeshError):
+    """No rank can make progress, or a rank ran past the world's timeout.
+
+    Attributes:
+        states: what each global rank was doing, as text.
+        timed_out: True when raised by the timeout rather than by detection.
+        ranks: the ranks the others wait for (those that finished, wait
+            elsewhere, or, on timeout, are still running).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        states: Mapping[int, str] | None = None,
+        timed_out: bool = False,
+        ranks: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.states = dict(states or {})
+        self.timed_out = timed_out
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_deadlock, (str(self), self.states, self.timed_out, self.ranks))
+
+
+def _rebuild_deadlock(
+    message: str, states: Mapping[int, str], timed_out: bool, ranks: tuple[int, ...]
+) -> DeadlockError:
+    return DeadlockError(message, states=states, timed_out=timed_out, ranks=ranks)
+
+
+class WorldAborted(BaseException):
+    """Raised inside a rank to unwind it once its world has failed.
+
+    A ``BaseException``, like ``SystemExit``, so that user code's ``except
+    Exception`` cannot swallow it and carry on against a dead world. It never
+    escapes :func:`meshsim.run`.
+    """

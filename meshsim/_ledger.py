@@ -1,0 +1,270 @@
+"""The collective ledger: one immutable record per collective a rank puts on the wire."""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from types import FrameType
+
+import torch
+
+__all__ = ["Collective", "Ledger", "call_site", "is_recording", "record", "append"]
+
+OPS = (
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "scatter",
+    "gather",
+    "reduce",
+    "barrier",
+    "send",
+    "recv",
+)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call as it reached the wire, seen from the calling rank.
+
+    Attributes:
+        op: the normalized operation, one of ``all_gather``, ``all_reduce``,
+            ``reduce_scatter``, ``all_to_all``, ``broadcast``, ``scatter``,
+            ``gather``, ``reduce``, ``barrier``, ``send``, ``recv``.
+        api: the exact call, e.g. ``all_gather_into_tensor`` or ``all_gather``
+            (list form); ``*_coalesced`` when several tensors travel together.
+        group: the global ranks of the process group, in group-rank order.
+        dtype: the element type (None for barrier, or when coalesced tensors differ).
+        bytes_in: bytes this rank contributes.
+        bytes_out: bytes this rank receives.
+        reduce_op: ``SUM``, ``AVG``, ... for reducing collectives, else None.
+        seq: position of the call in this group's sequence of collectives (for
+            send and recv: in the sequence of messages between this pair of ranks).
+        site: ``file.py:LINE in function`` of the first caller outside torch and meshsim.
+        peer: the global rank at the other end of a send, recv or rooted collective.
+    """
+
+    op: str
+    api: str
+    group: tuple[int, ...]
+    dtype: torch.dtype | None
+    bytes_in: int
+    bytes_out: int
+    reduce_op: str | None
+    seq: int
+    site: str
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
+        extra = f" {self.reduce_op}" if self.reduce_op else ""
+        peer = f" peer={self.peer}" if self.peer is not None else ""
+        return (
+            f"{self.api}{extra} {dtype} group={list(self.group)}{peer} "
+            f"in={_human(self.bytes_in)} out={_human(self.bytes_out)} #{self.seq} at {self.site}"
+        )
+
+
+_COLUMNS = ("#", "op", "api", "group", "dtype", "in", "out", "reduce", "site")
+
+
+class Ledger:
+    """The collectives one rank issued inside a :func:`record` block, in order.
+
+    Attributes:
+        calls: the :class:`Collective` records, oldest first.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[Collective] = []
+
+    def counts(self) -> dict[str, int]:
+        """Number of calls per ``op``."""
+        return dict(Counter(call.op for call in self.calls))
+
+    def count(self, op: str | None = None) -> int:
+        """Number of calls of ``op`` (all calls when ``op`` is None).
+
+        Raises:
+            ValueError: ``op`` is not one of the normalized op names.
+        """
+        if op is None:
+            return len(self.calls)
+        _check_op(op)
+        return sum(1 for call in self.calls if call.op == op)
+
+    def bytes(self, op: str | None = None, *, direction: str = "out") -> int:
+        """Total bytes received (``direction="out"``) or sent (``"in"``) by this rank.
+
+        Args:
+            op: count only this op; all ops when None.
+
+        Keyword args:
+            direction: ``"out"`` (bytes received, the default) or ``"in"`` (bytes contributed).
+
+        Raises:
+            ValueError: an unknown ``op`` or ``direction``.
+        """
+        if direction not in ("in", "out"):
+            raise ValueError(f"direction must be 'in' or 'out', got {direction!r}")
+        if op is not None:
+            _check_op(op)
+        attr = "bytes_out" if direction == "out" else "bytes_in"
+        return sum(getattr(c, attr) for c in self.calls if op is None or c.op == op)
+
+    def project(self, *names: str) -> list[tuple[object, ...]]:
+        """The calls reduced to the named fields, for exact comparisons in tests.
+
+        ``ledger.project("op", "group")`` gives ``[("all_gather", (0, 1)), ...]``.
+
+        Raises:
+            ValueError: a name is not a field of :class:`Collective`.
+        """
+        known = [f.name for f in fields(Collective)]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise ValueError(f"project() takes field names from {known}, got {list(names)}")
+        return [tuple(getattr(call, n) for n in names) for call in self.calls]
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Iterator[Collective]:
+        return iter(self.calls)
+
+    def __repr__(self) -> str:
+        return f"Ledger(calls={self.calls!r})"
+
+    def __str__(self) -> str:
+        rows = [_COLUMNS] + [_row(i, c) for i, c in enumerate(self.calls)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+        total = f"{len(self.calls)} collectives, {_human(self.bytes())} received"
+        return "\n".join([*lines, total])
+
+
+def _row(index: int, c: Collective) -> tuple[str, ...]:
+    dtype = str(c.dtype).removeprefix("torch.") if c.dtype is not None else "-"
+    group = ",".join(map(str, c.group))
+    if c.peer is not None:
+        group += f" peer {c.peer}"
+    return (
+        str(index),
+        c.op,
+        c.api,
+        f"[{group}]",
+        dtype,
+        _human(c.bytes_in),
+        _human(c.bytes_out),
+        c.reduce_op or "-",
+        c.site,
+    )
+
+
+def _human(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown collective op {op!r}; expected one of {', '.join(OPS)}")
+
+
+_local = threading.local()
+
+
+def _active() -> list[Ledger]:
+    stack: list[Ledger] | None = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+@contextmanager
+def record() -> Iterator[Ledger]:
+    """Record the collectives the calling rank issues inside the block.
+
+    Recording is per thread (per rank) and nests: an outer block sees
+    everything an inner one does. Works on every meshsim backend and under
+    ``--multigpu-static``.
+
+    Returns:
+        a :class:`Ledger` that fills while the block runs.
+    """
+    ledger = Ledger()
+    stack = _active()
+    stack.append(ledger)
+    try:
+        yield ledger
+    finally:
+        stack.remove(ledger)
+
+
+def is_recording() -> bool:
+    """Whether the calling thread is inside a :func:`record` block."""
+    return bool(getattr(_local, "stack", None))
+
+
+def append(call: Collective) -> None:
+    """Add ``call`` to every ledger open in the calling thread."""
+    for ledger in _active():
+        ledger.calls.append(call)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MESHSIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+# Decorator shims that sit between user code and torch (torch's @deprecated).
+_SHIMS = ("typing_extensions.py",)
+_internal: dict[str, bool] = {}
+
+
+def _is_internal(filename: str) -> bool:
+    known = _internal.get(filename)
+    if known is None:
+        path = os.path.abspath(filename)
+        known = (
+            path.startswith((_TORCH_DIR, _MESHSIM_DIR))
+            or (path.startswith(_STDLIB_DIR) and "site-packages" not in path)
+            or filename.startswith("<frozen")
+            or os.path.basename(path) in _SHIMS
+        )
+        _internal[filename] = known
+    return known
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame, walking outward from ``frame``, outside torch, meshsim and the stdlib."""
+    while frame is not None and _is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+_sites: dict[tuple[object, int], str] = {}
+
+
+def call_site(depth: int = 1) -> str:
+    """``file.py:LINE in function`` of the first caller outside torch and meshsim."""
+    frame = user_frame(sys._getframe(depth))
+    if frame is None:
+        return "<unknown>"
+    code = frame.f_code
+    key = (code, frame.f_lineno)
+    site = _sites.get(key)
+    if site is None:
+        site = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        if len(_sites) < 100_000:  # bounded: generated code could make endless keys
+            _sites[key] = site
+    return site

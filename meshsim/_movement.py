@@ -1,0 +1,181 @@
+"""What each collective computes: pure functions from every rank's inputs to every rank's outputs.
+
+Nothing here knows about threads, groups or ranks beyond list positions: entry
+``r`` of every list belongs to group rank ``r``. The functions never write into
+their inputs; the backend copies results into the caller's output tensors.
+Checks that need every rank's arguments at once (``compatibility`` functions)
+return a message naming the offending ranks, or None.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "REDUCE_OPS",
+    "all_gather_flat",
+    "all_to_all",
+    "all_to_all_single",
+    "check_reduce_dtype",
+    "reduce",
+    "reduce_scatter_flat",
+    "split_sizes",
+]
+
+Tensor = torch.Tensor
+
+REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+_BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+
+
+def check_reduce_dtype(op: str, dtype: torch.dtype) -> str | None:
+    """Why ``op`` cannot reduce ``dtype`` (as NCCL would refuse it), or None if it can."""
+    is_float = dtype.is_floating_point
+    is_complex = dtype.is_complex
+    if op not in REDUCE_OPS:
+        return f"unsupported reduce op {op}; expected one of {', '.join(REDUCE_OPS)}"
+    if op in ("AVG", "PREMUL_SUM") and not (is_float or is_complex):
+        return f"ReduceOp.{op} needs a floating point or complex tensor, got {dtype}"
+    if op in ("MIN", "MAX") and is_complex:
+        return f"ReduceOp.{op} is not defined for complex tensors ({dtype})"
+    if op in _BITWISE and (is_float or is_complex):
+        return f"ReduceOp.{op} needs an integer or bool tensor, got {dtype}"
+    return None
+
+
+def reduce(
+    tensors: Sequence[Tensor], op: str, factors: Sequence[float | Tensor] | None = None
+) -> Tensor:
+    """Reduce equally shaped tensors elementwise; the result has their dtype.
+
+    Floating point sums and means accumulate in at least float32 and round
+    once, so the result does not depend on the order of the ranks.
+
+    Args:
+        tensors: one tensor per rank.
+        op: a name from :data:`REDUCE_OPS`.
+        factors: for ``PREMUL_SUM``, each rank's scale factor (NCCL scales each
+            rank's input by that rank's factor, then sums).
+    """
+    dtype = tensors[0].dtype
+    if op in _BITWISE:
+        return functools.reduce(_BITWISE[op], tensors).clone()
+    if dtype == torch.bool:
+        return _reduce_bool(tensors, op)
+    if op == "PREMUL_SUM":
+        if factors is None or len(factors) != len(tensors):
+            raise ValueError("PREMUL_SUM needs one factor per rank")
+        scaled = [t * _on(f, t) for t, f in zip(tensors, factors)]
+        return torch.stack(scaled).sum(0).to(dtype)
+    return _REDUCERS[op](torch.stack(list(tensors))).to(dtype)
+
+
+def _on(factor: float | Tensor, like: Tensor) -> float | Tensor:
+    return factor.to(like.device) if isinstance(factor, Tensor) else factor
+
+
+def _reduce_bool(tensors: Sequence[Tensor], op: str) -> Tensor:
+    stacked = torch.stack(list(tensors))
+    if op in ("SUM", "MAX"):
+        return stacked.any(0)
+    return stacked.all(0)  # PRODUCT, MIN
+
+
+def _sum(stacked: Tensor) -> Tensor:
+    if stacked.dtype.is_floating_point or stacked.dtype.is_complex:
+        return stacked.sum(0)
+    return stacked.sum(0, dtype=stacked.dtype)  # integers wrap as on the wire
+
+
+_REDUCERS: dict[str, Callable[[Tensor], Tensor]] = {
+    "SUM": _sum,
+    "AVG": lambda s: s.mean(0),
+    "PRODUCT": lambda s: s.prod(0, dtype=s.dtype),
+    "MIN": lambda s: s.amin(0),
+    "MAX": lambda s: s.amax(0),
+}
+
+
+def all_gather_flat(inputs: Sequence[Tensor]) -> Tensor:
+    """Every rank's input, flattened and concatenated in rank order."""
+    return torch.cat([t.reshape(-1) for t in inputs])
+
+
+def reduce_scatter_flat(
+    inputs: Sequence[Tensor], op: str, factors: Sequence[float | Tensor] | None = None
+) -> list[Tensor]:
+    """Reduce the flattened inputs, then give rank ``r`` the ``r``-th equal chunk."""
+    total = reduce([t.reshape(-1) for t in inputs], op, factors)
+    return list(total.chunk(len(inputs)))
+
+
+def split_sizes(dim0: int, splits: Sequence[int], parts: int) -> list[int]:
+    """All_to_all split sizes along dim 0: ``splits`` itself, or equal parts when empty."""
+    if splits:
+        return list(splits)
+    return [dim0 // parts] * parts
+
+
+def all_to_all_single(
+    inputs: Sequence[Tensor], input_splits: Sequence[Sequence[int]]
+) -> list[Tensor]:
+    """Rank ``r`` receives, in sender order, the ``r``-th dim-0 piece of every input."""
+    pieces = [list(t.split(list(s), dim=0)) for t, s in zip(inputs, input_splits)]
+    return [torch.cat([pieces[src][dst] for src in range(len(inputs))]) for dst in range(len(inputs))]
+
+
+def all_to_all(inputs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
+    """Rank ``r`` receives entry ``r`` of every rank's input list, in sender order."""
+    n = len(inputs)
+    return [[inputs[src][dst] for src in range(n)] for dst in range(n)]
+
+
+def compat_all_to_all_single(
+    input_shapes: Sequence[tuple[int, ...]],
+    input_splits: Sequence[Sequence[int]],
+    output_shapes: Sequence[tuple[int, ...]],
+    output_splits: Sequence[Sequence[int]],
+) -> str | None:
+    """Whether every sender's piece matches what its receiver expects."""
+    n = len(input_shapes)
+    problems = []
+    for dst in range(n):
+        for src in range(n):
+            sent, expected = input_splits[src][dst], output_splits[dst][src]
+            if sent != expected:
+                problems.append(
+                    f"rank {dst} expects {expected} rows from rank {src}, which sends {sent}"
+                )
+        if output_shapes[dst][1:] != input_shapes[0][1:]:
+            problems.append(
+                f"rank {dst} receives rows of shape {list(output_shapes[dst][1:])}, "
+                f"but rank 0 sends rows of shape {list(input_shapes[0][1:])}"
+            )
+    for src in range(1, n):
+        if input_shapes[src][1:] != input_shapes[0][1:]:
+            problems.append(
+                f"rank {src} sends rows of shape {list(input_shapes[src][1:])}, "
+                f"rank 0 rows of shape {list(input_shapes[0][1:])}"
+            )
+    return "; ".join(problems) or None
+
+
+def compat_exchange(
+    sent: Sequence[Sequence[tuple[int, ...] | None]],
+    expected: Sequence[Sequence[tuple[int, ...] | None]],
+    what: str,
+) -> str | None:
+    """Whether ``sent[src][dst]`` (a shape, or None when nothing moves) matches ``expected[dst][src]``."""
+    problems = []
+    for src, row in enumerate(sent):
+        for dst, shape in enumerate(row):
+            want = expected[dst][src]
+            if shape is not None and want is not None and shape != want:
+                problems.append(
+                    f"rank {dst} expects {what} of shape {list(want)} from rank {src}, "
+                    f"which sends shape {list(shape)}"
+                )
+    return "; ".join(problems) or None

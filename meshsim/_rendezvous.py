@@ -1,0 +1,309 @@
+"""Where ranks meet: one slot per (group, sequence number), signature checks, and p2p mailboxes.
+
+Each rank numbers its collectives on a group 0, 1, 2, ...; the calls with the
+same number meet in one :class:`Slot`. The last rank to arrive compares every
+rank's signature (op, dtypes, shapes, reduce op, root, splits), runs the
+cross-rank compatibility check, and moves the data for everyone. Point-to-point
+messages meet in a :class:`Mailbox`: sends are buffered, receives wait.
+
+This module knows the signatures of calls but not their meaning: what to check
+across ranks and how to move data come with each :class:`Call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshsim._errors import CollectiveMismatchError
+from meshsim._scheduler import Scheduler, Waitable
+
+__all__ = ["Call", "GroupState", "Mailbox", "Message", "PostedRecv", "Rendezvous", "Slot"]
+
+_ADVICE = (
+    "Every rank of a group must issue the same collectives on it, in the same order, "
+    "with matching dtypes, shapes, reduce ops and roots."
+)
+
+
+@dataclass(eq=False)
+class Call:
+    """One rank's side of a collective.
+
+    Attributes:
+        group_rank: the caller's rank in the group.
+        op: the normalized op name, e.g. ``all_reduce``.
+        signature: what must be equal on every rank (op, dtypes, shapes, ...).
+        describe: makes the call's text for error tables, e.g. ``all_reduce(float32[4], SUM)``
+            (built only when an error needs it: the hot path never formats).
+        site: ``file.py:LINE in function`` of the user's call.
+        payload: the tensors and options the executor needs.
+        execute: moves the data, given every rank's call in group-rank order.
+        compat: the cross-rank check for what may differ between ranks (e.g. all_to_all
+            splits); returns a message, or None when compatible.
+    """
+
+    group_rank: int
+    op: str
+    signature: tuple[Any, ...]
+    describe: Callable[[], str]
+    site: str
+    payload: Any
+    execute: Callable[[Sequence[Call]], None]
+    compat: Callable[[Sequence[Call]], str | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.describe()
+
+
+class GroupState:
+    """A process group as the whole world sees it: its ranks, open slots and mailbox."""
+
+    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
+        self.name = name
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.slots: dict[int, Slot] = {}
+        self.mailbox = Mailbox(self)
+
+    def label(self) -> str:
+        return f"group {list(self.ranks)}"
+
+
+class Slot(Waitable):
+    """The meeting point of call number ``seq`` on ``group``."""
+
+    def __init__(self, group: GroupState, seq: int) -> None:
+        super().__init__()
+        self.group = group
+        self.seq = seq
+        self.calls: list[Call | None] = [None] * group.size
+        self.arrived = 0
+        self.mismatch = False
+
+    def add(self, call: Call) -> None:
+        first = next((c for c in self.calls if c is not None), None)
+        self.calls[call.group_rank] = call
+        self.arrived += 1
+        if first is not None and (first.op, first.signature) != (call.op, call.signature):
+            self.mismatch = True
+
+    def complete(self) -> None:
+        """Check every rank's call, then move the data. All ranks have arrived."""
+        calls = [c for c in self.calls if c is not None]
+        if self.mismatch:
+            self.error = self._mismatch_error("ranks entered different collectives")
+            return
+        problem = calls[0].compat(calls) if calls[0].compat is not None else None
+        if problem is not None:
+            self.error = self._mismatch_error(f"{calls[0].op} arguments do not fit together: {problem}")
+            return
+        try:
+            calls[0].execute(calls)
+        except Exception as exc:  # a bug in meshsim, or an input torch would reject
+            self.error = RuntimeError(
+                f"meshsim could not carry out {self._where()} ({calls[0].text}): {exc!r}"
+            )
+            self.error.__cause__ = exc
+
+    def describe(self, rank: int) -> str:
+        call = self.calls[self.group.ranks.index(rank)]
+        site = f" at {call.site}" if call is not None else ""
+        missing = self.missing()
+        waits = f"; waiting for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}" if missing else ""
+        text = call.text if call is not None else "?"
+        return f"waiting in {text}, {self._where()}{site}{waits}"
+
+    def missing(self) -> tuple[int, ...]:
+        return tuple(r for r, c in zip(self.group.ranks, self.calls) if c is None)
+
+    def stalled(self) -> BaseException | None:
+        if self.mismatch:
+            return self._mismatch_error("ranks entered different collectives")
+        return None
+
+    def _where(self) -> str:
+        return f"call #{self.seq} of {self.group.label()}"
+
+    def _mismatch_error(self, headline: str) -> CollectiveMismatchError:
+        ranks = self.group.ranks
+        texts = {ranks[i]: c.text for i, c in enumerate(self.calls) if c is not None}
+        odd = _odd_ones(self.calls, ranks)
+        width = max((len(t) for t in texts.values()), default=0)
+        rows = []
+        for i, call in enumerate(self.calls):
+            rank = ranks[i]
+            if call is None:
+                rows.append(f"  rank {rank}: (has not reached this call)")
+                continue
+            mark = "   <- differs" if rank in odd else ""
+            rows.append(f"  rank {rank}: {call.text.ljust(width)}  at {call.site}{mark}")
+        differs = f"Rank{'s' if len(odd) > 1 else ''} {_ranks(odd)} differ{'' if len(odd) > 1 else 's'} from the others. " if odd else ""
+        message = f"{headline} as {self._where()}:\n" + "\n".join(rows) + f"\n{differs}{_ADVICE}"
+        return CollectiveMismatchError(message, group=ranks, seq=self.seq, ranks=odd, calls=texts)
+
+
+def _odd_ones(calls: Sequence[Call | None], ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks whose call differs from the most common one (ties: the lowest rank's)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, call in enumerate(calls):
+        if call is not None:
+            groups.setdefault((call.op, call.signature), []).append(ranks[i])
+    if len(groups) <= 1:
+        return ()
+    majority = max(groups.values(), key=lambda members: (len(members), -members[0]))
+    return tuple(r for members in groups.values() if members is not majority for r in members)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+@dataclass(eq=False)
+class Message:
+    """A buffered send: copies of the tensors, and where they were sent from."""
+
+    src: int  # group ranks
+    dst: int
+    tag: int
+    tensors: list[Any]
+    text: str
+    site: str
+
+
+class PostedRecv(Waitable):
+    """A receive waiting for its message."""
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        dst: int,
+        src: int | None,
+        tag: int,
+        tensors: list[Any],
+        text: str,
+        site: str,
+        deliver: Callable[[Message, PostedRecv], str | None],
+    ) -> None:
+        super().__init__()
+        self.mailbox = mailbox
+        self.dst = dst
+        self.src = src
+        self.tag = tag
+        self.tensors = tensors
+        self.text = text
+        self.site = site
+        self.deliver = deliver
+        self.source: int | None = None  # the group rank the message came from
+
+    def matches(self, message: Message) -> bool:
+        return (
+            message.dst == self.dst
+            and message.tag == self.tag
+            and (self.src is None or message.src == self.src)
+        )
+
+    def describe(self, rank: int) -> str:
+        ranks = self.mailbox.group.ranks
+        queued = [m for m in self.mailbox.queued if m.dst == self.dst]
+        note = ""
+        if queued:
+            parts = [f"from rank {ranks[m.src]} with tag {m.tag} ({m.text} at {m.site})" for m in queued]
+            note = "; unmatched messages to it: " + ", ".join(parts)
+        return f"waiting in {self.text} at {self.site}{note}"
+
+    def missing(self) -> tuple[int, ...]:
+        ranks = self.mailbox.group.ranks
+        if self.src is not None:
+            return (ranks[self.src],)
+        return tuple(r for i, r in enumerate(ranks) if i != self.dst)
+
+
+class Mailbox:
+    """The point-to-point messages of one group, matched in order per (src, dst, tag)."""
+
+    def __init__(self, group: GroupState) -> None:
+        self.group = group
+        self.queued: list[Message] = []
+        self.posted: list[PostedRecv] = []
+
+    def send(self, message: Message, scheduler: Scheduler) -> None:
+        """Deliver ``message`` to a waiting receive, or queue it. Call with the lock held."""
+        for recv in self.posted:
+            if recv.matches(message):
+                self.posted.remove(recv)
+                self._deliver(message, recv, scheduler)
+                return
+        self.queued.append(message)
+
+    def post(self, recv: PostedRecv, scheduler: Scheduler) -> None:
+        """Match ``recv`` with a queued message, or leave it waiting. Call with the lock held."""
+        for message in self.queued:
+            if recv.matches(message):
+                self.queued.remove(message)
+                self._deliver(message, recv, scheduler)
+                return
+        self.posted.append(recv)
+
+    def _deliver(self, message: Message, recv: PostedRecv, scheduler: Scheduler) -> None:
+        recv.source = message.src
+        problem = recv.deliver(message, recv)
+        if problem is not None:
+            ranks = self.group.ranks
+            src, dst = ranks[message.src], ranks[recv.dst]
+            text = (
+                f"send and recv do not fit together in {self.group.label()}: {problem}\n"
+                f"  rank {src}: {message.text}  at {message.site}\n"
+                f"  rank {dst}: {recv.text}  at {recv.site}\n"
+                "A recv must receive the dtype and number of elements that the matching send sent."
+            )
+            recv.error = CollectiveMismatchError(
+                text,
+                group=ranks,
+                ranks=(src, dst),
+                calls={src: message.text, dst: recv.text},
+            )
+        scheduler.wake(recv)
+
+
+@dataclass
+class Rendezvous:
+    """Every group of one world, by name."""
+
+    scheduler: Scheduler
+    groups: dict[str, GroupState] = field(default_factory=dict)
+
+    def group(self, name: str, ranks: tuple[int, ...], caller: int) -> GroupState:
+        """The world's record of group ``name``, created by its first member to arrive.
+
+        Raises:
+            ValueError: another rank created a group of this name with other ranks.
+        """
+        with self.scheduler.lock:
+            group = self.groups.get(name)
+            if group is None:
+                group = self.groups[name] = GroupState(name, ranks)
+            elif group.ranks != ranks:
+                raise ValueError(
+                    f"rank {caller} created process group {name!r} with ranks {list(ranks)}, "
+                    f"but another rank created it with ranks {list(group.ranks)}: every rank "
+                    "must call new_group() (and build device meshes) with the same ranks "
+                    "in the same order"
+                )
+            return group
+
+    def arrive(self, group: GroupState, seq: int, call: Call) -> Slot:
+        """Join call ``seq`` on ``group``; the last rank to arrive completes it."""
+        with self.scheduler.lock:
+            self.scheduler.raise_if_aborted()
+            slot = group.slots.get(seq)
+            if slot is None:
+                slot = group.slots[seq] = Slot(group, seq)
+            slot.add(call)
+            if slot.arrived == group.size:
+                del group.slots[seq]
+                slot.complete()
+                self.scheduler.wake(slot)
+            return slot

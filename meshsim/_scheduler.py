@@ -1,0 +1,380 @@
+"""Who may run: the baton of cooperative scheduling, blocking waits, deadlock and timeout detection.
+
+A world's ranks are threads. With ``serialize=True`` (the default) exactly one
+rank holds the baton and runs; it passes the baton, in rank order, only when it
+blocks (in a collective, a recv, a store wait) or finishes. Runs are therefore
+deterministic, and process-global state such as the RNG can be swapped per rank
+at each hand-over. With ``serialize=False`` every rank runs whenever it is not
+blocked.
+
+Either way a rank blocks only through :meth:`Scheduler.wait`, so the scheduler
+always knows what every rank is doing: the moment no rank can run while some
+wait, that is a deadlock, reported at once. A world that makes no progress for
+``timeout`` seconds while some rank waits is reported by :meth:`check_timeout`,
+which the thread that started the world calls periodically.
+
+This module knows nothing of tensors or groups: a :class:`Waitable` describes itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from meshsim._errors import DeadlockError, WorldAborted
+
+__all__ = ["Scheduler", "Waitable"]
+
+_RUNNING, _READY, _BLOCKED, _DONE = "running", "ready", "blocked", "done"
+_SAFETY_POLL = 1.0  # seconds; waits are woken explicitly, this only bounds each wait
+
+
+class Waitable:
+    """Something ranks block on; whoever completes it calls :meth:`Scheduler.wake`.
+
+    Attributes:
+        done: set once the wait is over (successfully or with ``error``).
+        error: raised in every waiter when set.
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+        self.error: BaseException | None = None
+        self.waiters: list[int] = []
+
+    def describe(self, rank: int) -> str:
+        """What global ``rank``, blocked here, is waiting in, for error messages."""
+        raise NotImplementedError
+
+    def missing(self) -> tuple[int, ...]:
+        """The global ranks this wait is waiting for."""
+        raise NotImplementedError
+
+    def stalled(self) -> BaseException | None:
+        """A better diagnosis than 'deadlock' when the world stalls here (e.g. a mismatch)."""
+        return None
+
+
+class Scheduler:
+    """The run state of every rank of one world.
+
+    Args:
+        world_size: number of ranks.
+
+    Keyword args:
+        serialize: run one rank at a time (see the module docstring).
+        switch_out: called in a rank's thread, with the lock held, just before
+            it hands the baton to another rank (serialize mode).
+        switch_in: called in a rank's thread when it resumes after another rank ran.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        serialize: bool,
+        switch_out: Callable[[int], None],
+        switch_in: Callable[[int], None],
+    ) -> None:
+        self.lock = threading.Lock()
+        self.world_size = world_size
+        self.serialize = serialize
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self._switch_out = switch_out
+        self._switch_in = switch_in
+        self._state = [_READY] * world_size
+        self._waiting: list[Waitable | None] = [None] * world_size
+        # Each rank sleeps on its own binary semaphore. Wake-ups are collected while
+        # the lock is held and delivered after it is released, so a woken rank never
+        # wakes only to block again on the lock (that doubled the cost of a hand-over).
+        self._sems = [threading.Lock() for _ in range(world_size)]
+        for sem in self._sems:
+            sem.acquire()
+        self._parked = [False] * world_size
+        self._signals: list[int] = []
+        self._idents: list[int | None] = [None] * world_size
+        self._outcome: list[str] = [""] * world_size
+        self._holder: int | None = 0 if serialize else None
+        self._last_ran: int | None = None
+        self._done = 0
+        self._progress_at = time.monotonic()
+
+    # -- called by rank threads -------------------------------------------------
+
+    def start(self, rank: int) -> None:
+        """Register the calling thread as ``rank``; returns when it may run."""
+        self.lock.acquire()
+        try:
+            self._idents[rank] = threading.get_ident()
+            self._await_turn(rank)
+            self._state[rank] = _RUNNING
+        finally:
+            self._unlock()
+        self._resumed(rank)
+
+    def wait(self, rank: int, waitable: Waitable) -> None:
+        """Block ``rank`` until ``waitable.done``; raise its error if it has one.
+
+        Raises:
+            WorldAborted: the world failed while waiting.
+        """
+        if not waitable.done:
+            self.lock.acquire()
+            try:
+                if not waitable.done:
+                    self._block(rank, waitable)
+            finally:
+                self._unlock()
+            self._resumed(rank)
+        if waitable.error is not None:
+            raise waitable.error
+
+    def finish(self, rank: int, outcome: str) -> None:
+        """Mark ``rank`` as finished (``outcome`` says how, for diagnostics)."""
+        self.lock.acquire()
+        try:
+            self._state[rank] = _DONE
+            self._outcome[rank] = outcome
+            self._done += 1
+            self._progress_at = time.monotonic()
+            if self._done == self.world_size:
+                self.finished.set()
+                return
+            if self.serialize and self._holder == rank:
+                self._pass_baton(rank)
+            self._check_deadlock()
+        finally:
+            self._unlock()
+
+    def wake(self, waitable: Waitable) -> None:
+        """Mark ``waitable`` done and its waiters runnable. Call with ``lock`` held."""
+        waitable.done = True
+        self._progress_at = time.monotonic()
+        for rank in waitable.waiters:
+            if self._state[rank] == _BLOCKED and self._waiting[rank] is waitable:
+                self._state[rank] = _READY
+                if not self.serialize:
+                    self._signal(rank)
+
+    def raise_if_aborted(self) -> None:
+        """Raise :class:`WorldAborted` when the world has failed. Call with ``lock`` held."""
+        if self.error is not None:
+            raise WorldAborted()
+
+    # -- called by anyone ----------------------------------------------------------
+
+    def abort(self, error: BaseException) -> bool:
+        """Fail the world with ``error`` (the first error wins) and release every rank.
+
+        Returns:
+            whether ``error`` became the world's error.
+        """
+        self.lock.acquire()
+        try:
+            return self._abort(error)
+        finally:
+            self._unlock()
+
+    def running_idents(self) -> list[int]:
+        """Thread idents of ranks that are running their own code (not blocked, not done)."""
+        with self.lock:
+            return [
+                ident
+                for ident, state in zip(self._idents, self._state)
+                if ident is not None and state == _RUNNING
+            ]
+
+    def check_timeout(self, timeout: float) -> bool:
+        """Fail the world if it made no progress for ``timeout`` s while a rank waits.
+
+        Returns:
+            whether the world was failed by this call.
+        """
+        self.lock.acquire()
+        try:
+            if self.error is not None or self.finished.is_set():
+                return False
+            idle = time.monotonic() - self._progress_at
+            waiting = [r for r in range(self.world_size) if self._state[r] in (_READY, _BLOCKED)]
+            if idle < timeout or not waiting:
+                return False
+            return self._abort(self._timeout_error(idle, timeout))
+        finally:
+            self._unlock()
+
+    # -- internals (lock held) --------------------------------------------------
+
+    def _block(self, rank: int, waitable: Waitable) -> None:
+        self.raise_if_aborted()
+        self._state[rank] = _BLOCKED
+        self._waiting[rank] = waitable
+        waitable.waiters.append(rank)
+        self._progress_at = time.monotonic()
+        if self.serialize:
+            self._pass_baton(rank)
+        self._check_deadlock()
+        self._await_turn(rank)
+        self._state[rank] = _RUNNING
+        self._waiting[rank] = None
+
+    def _await_turn(self, rank: int) -> None:
+        sem = self._sems[rank]
+        while True:
+            if self.error is not None:
+                raise WorldAborted()
+            if self._state[rank] == _READY and (not self.serialize or self._holder == rank):
+                return
+            self._parked[rank] = True
+            signals = self._take_signals()
+            self.lock.release()
+            try:
+                _release(self._sems, signals)
+                sem.acquire(timeout=_SAFETY_POLL)
+            finally:
+                self.lock.acquire()
+
+    def _signal(self, rank: int) -> None:
+        """Wake ``rank`` once the lock is released."""
+        if self._parked[rank]:
+            self._parked[rank] = False
+            self._signals.append(rank)
+
+    def _take_signals(self) -> list[int]:
+        signals, self._signals = self._signals, []
+        return signals
+
+    def _unlock(self) -> None:
+        signals = self._take_signals()
+        self.lock.release()
+        _release(self._sems, signals)
+
+    def _resumed(self, rank: int) -> None:
+        if self.serialize and self._last_ran != rank:
+            self._last_ran = rank
+            self._switch_in(rank)
+
+    def _pass_baton(self, rank: int) -> None:
+        if self._last_ran == rank and self._state[rank] != _DONE:
+            self._switch_out(rank)
+        n = self.world_size
+        for step in range(1, n + 1):
+            nxt = (rank + step) % n
+            if self._state[nxt] == _READY:
+                self._holder = nxt
+                self._signal(nxt)
+                return
+        self._holder = None
+
+    def _check_deadlock(self) -> None:
+        states = self._state
+        if _RUNNING in states or _READY in states or _BLOCKED not in states:
+            return
+        self._abort(self._stall_error())
+
+    def _abort(self, error: BaseException) -> bool:
+        if self.error is not None:
+            return False
+        self.error = error
+        for rank in range(self.world_size):
+            self._signal(rank)
+        self.finished.set()
+        return True
+
+    # -- diagnostics ------------------------------------------------------------
+
+    def _describe(self, rank: int) -> str:
+        state = self._state[rank]
+        if state == _BLOCKED:
+            waitable = self._waiting[rank]
+            return waitable.describe(rank) if waitable is not None else "blocked"
+        if state == _DONE:
+            return self._outcome[rank] or "finished"
+        if state == _READY:
+            return "ready, waiting for its turn to run"
+        return "running its own code"
+
+    def _states(self) -> dict[int, str]:
+        return {rank: self._describe(rank) for rank in range(self.world_size)}
+
+    def _stall_error(self) -> BaseException:
+        for waitable in self._waiting:
+            if waitable is not None:
+                better = waitable.stalled()
+                if better is not None:
+                    return better
+        states = self._states()
+        culprits = self._culprits()
+        lines = [f"  rank {r}: {text}" for r, text in states.items()]
+        why = self._why(culprits)
+        message = (
+            f"deadlock: no rank of the {self.world_size}-rank world can make progress.\n"
+            + "\n".join(lines)
+            + (f"\n{why}" if why else "")
+        )
+        return DeadlockError(message, states=states, ranks=culprits)
+
+    def _culprits(self) -> tuple[int, ...]:
+        """Ranks that blocked ranks wait for and that are not themselves in the same wait."""
+        found: set[int] = set()
+        for rank, waitable in enumerate(self._waiting):
+            if waitable is not None and self._state[rank] == _BLOCKED:
+                found.update(r for r in waitable.missing() if self._waiting[r] is not waitable)
+        return tuple(sorted(found))
+
+    def _why(self, culprits: tuple[int, ...]) -> str:
+        if not culprits:
+            return ""
+        parts = []
+        for r in culprits:
+            if self._state[r] == _DONE:
+                parts.append(f"rank {r} {self._outcome[r] or 'finished'}")
+            else:
+                parts.append(f"rank {r} is {self._describe(r)}")
+        return "The others wait for " + "; ".join(parts) + "."
+
+    def _timeout_error(self, idle: float, timeout: float) -> DeadlockError:
+        states = self._states()
+        busy = tuple(r for r in range(self.world_size) if self._state[r] == _RUNNING)
+        frames = sys._current_frames()
+        lines = []
+        for rank, text in states.items():
+            lines.append(f"  rank {rank}: {text}")
+            ident = self._idents[rank]
+            frame = frames.get(ident) if ident is not None else None
+            if frame is not None and self._state[rank] != _DONE:
+                lines.append(_format_stack(frame))
+        who = ", ".join(map(str, busy)) if busy else "none"
+        message = (
+            f"timeout: the {self.world_size}-rank world made no progress for {idle:.1f} s "
+            f"(timeout={timeout:g} s) while ranks waited; ranks still running their own "
+            f"code: {who}.\n" + "\n".join(lines)
+        )
+        return DeadlockError(message, states=states, timed_out=True, ranks=busy)
+
+
+def _release(sems: list[threading.Lock], ranks: list[int]) -> None:
+    for rank in ranks:
+        try:
+            sems[rank].release()
+        except RuntimeError:
+            pass  # already released: a wake-up is pending, which is all a signal means
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _format_stack(frame: object) -> str:
+    """A rank's stack without the threading and meshsim frames that surround user code."""
+    summary = traceback.extract_stack(frame)  # type: ignore[arg-type]
+    keep = [
+        entry
+        for entry in summary
+        if not entry.filename.startswith(_HERE) and not entry.filename.endswith("threading.py")
+    ]
+    text = "".join(traceback.format_list(keep))
+    return "\n".join("      " + line for line in text.rstrip().splitlines())

@@ -1,0 +1,133 @@
+"""Process-global state: what a world must hand back untouched, and what each rank owns.
+
+Real ranks are separate processes: each has its own RNG, environment and
+default dtype. Rank threads share one process, so with cooperative scheduling
+the world swaps these per rank at every hand-over (:class:`RankState`), and
+puts the caller's values back when the world ends (:class:`ProcessState`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ProcessState", "RankState"]
+
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _cuda_rng() -> list[torch.Tensor] | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state_all()
+    return None
+
+
+@dataclass
+class RankState:
+    """The per-process state of one simulated rank while it does not run."""
+
+    rank: int
+    world_size: int
+    rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    default_dtype: torch.dtype
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def fresh(cls, rank: int, world_size: int) -> RankState:
+        """Rank ``rank``'s starting state: the caller's RNG and dtype, as after a fork."""
+        text = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+        return cls(
+            rank,
+            world_size,
+            torch.get_rng_state(),
+            _cuda_rng(),
+            torch.get_default_dtype(),
+            {k: str(v) for k, v in text.items()},
+        )
+
+    def save(self) -> None:
+        """Remember the process's current values as this rank's."""
+        self.rng = torch.get_rng_state()
+        if self.cuda_rng is not None or torch.cuda.is_initialized():
+            self.cuda_rng = _cuda_rng()
+        self.default_dtype = torch.get_default_dtype()
+
+    def load(self) -> None:
+        """Make this rank's values the process's current ones."""
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+        environ = os.environ
+        for key, value in self.env.items():
+            if environ.get(key) != value:
+                environ[key] = value
+
+
+@dataclass
+class ProcessState:
+    """The caller's process-global state, captured before a world and restored after it."""
+
+    excepthook: Any
+    threading_excepthook: Any
+    rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    py_random: Any
+    num_threads: int
+    deterministic: tuple[bool, bool]
+    default_dtype: torch.dtype
+    environ: dict[str, str]
+
+    @classmethod
+    def capture(cls) -> ProcessState:
+        import threading
+
+        return cls(
+            sys.excepthook,
+            threading.excepthook,
+            torch.get_rng_state(),
+            _cuda_rng(),
+            random.getstate(),
+            torch.get_num_threads(),
+            (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            torch.get_default_dtype(),
+            dict(os.environ),
+        )
+
+    def restore(self) -> None:
+        import threading
+
+        # init_process_group wraps sys.excepthook on every call and never unwraps it;
+        # hundreds of worlds would nest it past the recursion limit.
+        sys.excepthook = self.excepthook
+        threading.excepthook = self.threading_excepthook
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_random)
+        # A rank thread's set_num_threads also changes the default of threads
+        # created later in the process; setting it here restores both.
+        torch.set_num_threads(self.num_threads)
+        enabled, warn_only = self.deterministic
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.set_default_dtype(self.default_dtype)
+        _restore_environ(self.environ)
+
+
+def _restore_environ(saved: dict[str, str]) -> None:
+    environ = os.environ
+    for key in [k for k in environ if k not in saved]:
+        del environ[key]
+    for key, value in saved.items():
+        if environ.get(key) != value:
+            environ[key] = value

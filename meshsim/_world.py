@@ -1,0 +1,320 @@
+"""One simulated world: N rank threads, each with an initialized default process group.
+
+:func:`run` is the whole life of a world: start the rank threads, supervise them
+(timeouts), stop them, restore the process, and return or raise. Nothing a world
+touches outlives it: c10d's world and group registry are per rank thread, and the
+process-global state in :mod:`meshsim._state` is put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import math
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshsim import _torch_private
+from meshsim._backend import BACKEND_NAME, RankContext, bind_rank, create_process_group
+from meshsim._errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    MeshError,
+    RankError,
+    WorldAborted,
+)
+from meshsim._recorder import DispatchRecorder
+from meshsim._rendezvous import Rendezvous
+from meshsim._scheduler import Scheduler
+from meshsim._state import ProcessState, RankState
+
+__all__ = ["run"]
+
+BACKENDS = ("sim", "gloo")
+_STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
+
+
+def run(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    backend: str = "sim",
+    serialize: bool = True,
+    gpu_paths: bool = True,
+    num_threads: int | None = 1,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank of a simulated world and return the results.
+
+    Each rank is a thread with its own default process group (``dist.get_rank()``
+    answers per rank). The world is torn down before this returns or raises.
+
+    Args:
+        fn: the per-rank program.
+        world_size: the number of ranks (1 or more).
+
+    Keyword args:
+        args: positional arguments for ``fn``, the same on every rank.
+        kwargs: keyword arguments for ``fn``.
+        timeout: seconds the world may go without progress while some rank waits
+            (a rank stuck in its own code while others wait for it).
+        backend: ``"sim"`` (in-memory, checked, the default) or ``"gloo"`` (a real
+            ``ProcessGroupGloo`` per rank over 127.0.0.1, for fidelity checks).
+        serialize: run one rank at a time, handing over only at collectives, so runs
+            are deterministic and each rank has its own RNG state and ``RANK``
+            environment. ``False`` runs ranks concurrently and shares them.
+        gpu_paths: where torch takes a different collective on CPU meshes than on
+            GPUs (DTensor Shard->Shard is all_gather+chunk on CPU, all_to_all on
+            CUDA), take the GPU path, so ledgers show what GPUs do.
+        num_threads: ``torch.set_num_threads`` in each rank thread; None leaves it.
+
+    Returns:
+        each rank's return value, in rank order.
+
+    Raises:
+        RankError: a rank's code raised; the original exception is ``__cause__``.
+        CollectiveMismatchError: ranks entered different collectives.
+        DeadlockError: no rank could make progress, or the timeout expired.
+        TypeError, ValueError: a bad argument.
+    """
+    _check_args(fn, world_size, timeout, backend, num_threads)
+    world = _World(
+        fn,
+        world_size,
+        tuple(args),
+        dict(kwargs or {}),
+        timeout=timeout,
+        backend=backend,
+        serialize=serialize and backend == "sim",
+        gpu_paths=gpu_paths,
+        num_threads=num_threads,
+    )
+    return world.run()
+
+
+def _check_args(
+    fn: Any, world_size: Any, timeout: Any, backend: Any, num_threads: Any
+) -> None:
+    if not callable(fn):
+        raise TypeError(f"run() needs a callable to run on every rank, got {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+
+
+class _World:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        timeout: float,
+        backend: str,
+        serialize: bool,
+        gpu_paths: bool,
+        num_threads: int | None,
+    ) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.world_size = world_size
+        self.timeout = timeout
+        self.backend = backend
+        self.gpu_paths = gpu_paths
+        self.num_threads = num_threads
+        self.scheduler = Scheduler(
+            world_size, serialize=serialize, switch_out=self._switch_out, switch_in=self._switch_in
+        )
+        self.rendezvous = Rendezvous(self.scheduler)
+        self.results: list[Any] = [None] * world_size
+        self.failures: list[tuple[int, BaseException, str]] = []
+        self.states: list[RankState] = []
+        self.threads: list[threading.Thread] = []
+        self.store: dist.Store | None = None
+        self.stuck: list[int] = []
+        self.cpu: int | None = None
+
+    # -- the caller's side ----------------------------------------------------------
+
+    def run(self) -> list[Any]:
+        saved = ProcessState.capture()
+        with _torch_private.process_global_patches(BACKEND_NAME, create_process_group):
+            try:
+                self._start()
+                self._supervise()
+            except BaseException as exc:  # KeyboardInterrupt in the caller
+                self.scheduler.abort(exc)
+                raise
+            finally:
+                self._stop()
+                saved.restore()
+        return self._outcome()
+
+    def _start(self) -> None:
+        self.store = dist.HashStore()
+        self.cpu = _current_cpu() if self.scheduler.serialize else None
+        if self.scheduler.serialize:
+            initial = torch.get_rng_state()
+            self.states = [RankState.fresh(r, self.world_size) for r in range(self.world_size)]
+            for state in self.states:
+                state.rng = initial
+        for rank in range(self.world_size):
+            thread = threading.Thread(
+                target=self._rank_main, args=(rank,), name=f"meshsim-rank-{rank}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+
+    def _supervise(self) -> None:
+        poll = min(0.05, self.timeout / 10)
+        scheduler = self.scheduler
+        while not scheduler.finished.wait(poll):
+            scheduler.check_timeout(self.timeout)
+
+    def _stop(self) -> None:
+        """Wait for every rank thread; interrupt ranks still running user code after an abort."""
+        deadline = time.monotonic() + _STOP_GRACE
+        for thread in self.threads:
+            while thread.is_alive():
+                thread.join(0.01)
+                if self.scheduler.error is None or not thread.is_alive():
+                    continue
+                if time.monotonic() > deadline:
+                    break
+                _interrupt(self.scheduler.running_idents())
+        self.stuck = [r for r, t in enumerate(self.threads) if t.is_alive()]
+
+    def _outcome(self) -> list[Any]:
+        error = self.scheduler.error
+        if error is None:
+            return self.results
+        if isinstance(error, RankError):
+            error = self._rank_error()
+        if self.stuck and isinstance(error, MeshError):
+            error.add_note(
+                f"meshsim could not stop rank thread(s) {self.stuck}: they are blocked outside "
+                "Python (e.g. in time.sleep or a C library) and were left as daemon threads"
+            )
+        raise error
+
+    def _rank_error(self) -> RankError:
+        own = [(rank, exc) for rank, exc, _ in self.failures]
+        rank, exc, text = self.failures[0]
+        error = RankError(rank, self.world_size, text, own)
+        error.__cause__ = exc
+        return error
+
+    # -- the ranks' side --------------------------------------------------------------
+
+    def _rank_main(self, rank: int) -> None:
+        try:
+            with _torch_private.rank_thread(gpu_paths=self.gpu_paths):
+                self._rank_body(rank)
+        except WorldAborted:
+            pass  # interrupted while leaving; the world already failed
+
+    def _rank_body(self, rank: int) -> None:
+        bind_rank(RankContext(rank, self.world_size, self.scheduler, self.rendezvous))
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        if self.cpu is not None:
+            # Serialized ranks never run at once, so one core loses nothing, and
+            # keeps torch's per-thread state warm in one cache across hand-overs
+            # (torch calls right after a hand-over ran ~3x slower without it).
+            os.sched_setaffinity(0, {self.cpu})
+        outcome = "finished: its function returned"
+        recorder = DispatchRecorder() if self.backend == "gloo" else contextlib.nullcontext()
+        try:
+            self.scheduler.start(rank)
+            with recorder:
+                self._init_process_group(rank)
+                try:
+                    self.results[rank] = self.fn(*self.args, **self.kwargs)
+                finally:
+                    _destroy_process_groups()
+        except WorldAborted:
+            outcome = "stopped: the world failed"
+        except BaseException as exc:
+            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            self._rank_failed(rank, exc)
+        finally:
+            bind_rank(None)
+            self.scheduler.finish(rank, outcome)
+
+    def _init_process_group(self, rank: int) -> None:
+        if self.backend == "sim":
+            dist.init_process_group(BACKEND_NAME, rank=rank, world_size=self.world_size, store=self.store)
+            return
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=self.world_size,
+            store=self.store,
+            timeout=datetime.timedelta(seconds=self.timeout),
+        )
+
+    def _rank_failed(self, rank: int, exc: BaseException) -> None:
+        if isinstance(exc, (CollectiveMismatchError, DeadlockError)):
+            self.scheduler.abort(exc)
+            return
+        if self.scheduler.error is not None:
+            return  # a consequence of the failure that stopped the world (gloo peers see closed sockets)
+        text = _format_user_traceback(exc)
+        self.failures.append((rank, exc, text))
+        self.scheduler.abort(RankError(rank, self.world_size, text))
+
+    def _switch_out(self, rank: int) -> None:
+        self.states[rank].save()
+
+    def _switch_in(self, rank: int) -> None:
+        self.states[rank].load()
+
+
+def _format_user_traceback(exc: BaseException) -> str:
+    """The rank's traceback, starting at the user's function rather than at meshsim's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _destroy_process_groups() -> None:
+    """Tear down this rank thread's c10d state (a no-op if the user already did)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _current_cpu() -> int | None:
+    """The CPU the calling thread runs on, where the platform can tell."""
+    try:
+        cpu = int(ctypes.CDLL(None).sched_getcpu())
+    except (AttributeError, OSError):
+        return None
+    if cpu < 0 or not hasattr(os, "sched_setaffinity") or cpu not in os.sched_getaffinity(0):
+        return None
+    return cpu
+
+
+def _interrupt(idents: Sequence[int]) -> None:
+    """Raise :class:`WorldAborted` in threads running Python code (CPython only)."""
+    for ident in idents:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(ident), ctypes.py_object(WorldAborted)
+        )

@@ -1,0 +1,5 @@
+"""shardtensor: a distributed tensor with per-rank (uneven) sharding shapes."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
