@@ -14,7 +14,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["Collective", "Ledger", "call_site", "is_recording", "record", "append"]
+__all__ = ["Collective", "Ledger", "append", "call_site", "is_recording", "record", "recording_into"]
 
 OPS = (
     "all_gather",
@@ -203,7 +203,13 @@ def record() -> Iterator[Ledger]:
     Returns:
         a :class:`Ledger` that fills while the block runs.
     """
-    ledger = Ledger()
+    with recording_into(Ledger()) as ledger:
+        yield ledger
+
+
+@contextmanager
+def recording_into(ledger: Ledger) -> Iterator[Ledger]:
+    """Like :func:`record`, appending to an existing ``ledger``."""
     stack = _active()
     stack.append(ledger)
     try:

@@ -239,19 +239,15 @@ _HANDLERS: dict[tuple[str, str], _Handler] = {
 class DispatchRecorder(TorchDispatchMode):
     """Feeds :func:`meshsim.record` from the dispatcher; enter it in each rank's thread.
 
-    Sequence numbers count every collective seen since the mode was entered (or
-    since :meth:`restart`), recorded or not, so that they match the simulated
-    backend's, which counts from the creation of each group.
+    Sequence numbers count every collective seen since the mode was entered,
+    recorded or not, so that they match the simulated backend's, which counts
+    from the creation of each group (a world, or a test, starts the count).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._seq: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, ...]] = {}
-
-    def restart(self) -> None:
-        """Number every group's collectives from 0 again (static mode: per test)."""
-        self._seq.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

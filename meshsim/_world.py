@@ -39,6 +39,7 @@ from meshsim._state import ProcessState, RankState
 __all__ = ["run"]
 
 BACKENDS = ("sim", "gloo")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
 
 
@@ -290,7 +291,7 @@ class _World:
 def _format_user_traceback(exc: BaseException) -> str:
     """The rank's traceback, starting at the user's function rather than at meshsim's frames."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 

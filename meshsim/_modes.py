@@ -1,0 +1,110 @@
+"""How a distributed test body runs: on thread ranks (sim, gloo), or as this process's rank (static).
+
+Each mode takes the test function, its (partly per-rank) arguments and a world
+size, and either returns normally or raises what the failing rank raised. The
+pytest plugin picks the mode; the modes know nothing about pytest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshsim._fixtures import RankFixtures, resolve
+from meshsim._recorder import DispatchRecorder
+from meshsim._world import run
+
+__all__ = ["StaticSession", "TestFailedOnOtherRanks", "run_on_threads", "static_environment"]
+
+TestFunction = Callable[..., object]
+
+
+def _body(test: TestFunction, funcargs: dict[str, Any]) -> None:
+    fixtures = RankFixtures()
+    kwargs = resolve(funcargs, fixtures)
+    with fixtures.recording():
+        test(**kwargs)
+
+
+def run_on_threads(
+    test: TestFunction, funcargs: dict[str, Any], world_size: int, *, backend: str, timeout: float
+) -> None:
+    """Run the test body on ``world_size`` thread ranks (``backend`` "sim" or "gloo")."""
+    run(_body, world_size, args=(test, funcargs), backend=backend, timeout=timeout)
+
+
+_STATIC_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def static_environment() -> dict[str, int] | None:
+    """torchrun's rank variables as ints, or None when any is missing."""
+    values = {key: os.environ.get(key) for key in _STATIC_ENV}
+    if any(v is None for v in values.values()):
+        return None
+    return {key: int(v) for key, v in values.items() if v is not None}
+
+
+class TestFailedOnOtherRanks(AssertionError):
+    """The test passed here but failed on other ranks (``--multigpu-static``)."""
+
+    __test__ = False  # not a test class, whatever pytest's name matching thinks
+
+
+@dataclass
+class StaticSession:
+    """This process is one rank of a torchrun job; the process group lives for the session."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    timeout: float
+    fixtures_cache: dict[Any, Any] = field(default_factory=dict)
+    agreement: Any = None
+
+    def start(self) -> None:
+        """Join the torchrun job: NCCL on ``cuda:LOCAL_RANK`` when CUDA is there, else gloo."""
+        timeout = datetime.timedelta(seconds=self.timeout)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        # Outcomes travel on their own CPU group, apart from the tests' own traffic.
+        self.agreement = dist.new_group(backend="gloo", timeout=timeout)
+
+    def stop(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def run(self, test: TestFunction, funcargs: dict[str, Any]) -> None:
+        """Run the body here, then agree with every rank on the outcome (one small all_gather)."""
+        fixtures = RankFixtures(cache=self.fixtures_cache)
+        failure: BaseException | None = None
+        try:
+            kwargs = resolve(funcargs, fixtures)
+            # A fresh recorder per test numbers each group's calls from 0, as a new
+            # simulated world does, so ledgers compare equal across modes.
+            with DispatchRecorder(), fixtures.recording():
+                test(**kwargs)
+        except BaseException as exc:  # reported after every rank has had its say
+            failure = exc
+        failed = self._failed_ranks(failure is not None)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise TestFailedOnOtherRanks(
+                f"passed on rank {self.rank} but failed on rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} (rank 0's report, or --mesh-report=all, shows why)"
+            )
+
+    def _failed_ranks(self, failed_here: bool) -> list[int]:
+        flags = torch.zeros(self.world_size, dtype=torch.int32)
+        mine = torch.tensor([1 if failed_here else 0], dtype=torch.int32)
+        dist.all_gather_into_tensor(flags, mine, group=self.agreement)
+        return [r for r, flag in enumerate(flags.tolist()) if flag]
