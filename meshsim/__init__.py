@@ -3,8 +3,6 @@
 See the README for a guide; every name below is documented where it is defined.
 """
 
-from __future__ import annotations
-
 from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError
 from meshsim._ledger import Collective, Ledger, record
 from meshsim._world import run

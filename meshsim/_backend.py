@@ -196,7 +196,7 @@ class SimProcessGroup(dist.ProcessGroup):
         describe: Callable[[], str],
         payload: Any,
         execute: Callable[[Sequence[Call]], None],
-        compat: Callable[[Sequence[Call]], str | None] | None = None,
+        compat: Callable[[Sequence[Call]], list[mv.Problem]] | None = None,
         ledger: Callable[[], tuple[torch.dtype | None, int, int]],
         reduce_op: str | None = None,
         root: int | None = None,

@@ -3,19 +3,21 @@
 Nothing here knows about threads, groups or ranks beyond list positions: entry
 ``r`` of every list belongs to group rank ``r``. The functions never write into
 their inputs; the backend copies results into the caller's output tensors.
-Checks that need every rank's arguments at once (``compatibility`` functions)
-return a message naming the offending ranks, or None.
+Checks that need every rank's arguments at once (``compat_*`` functions)
+return the :class:`Problem` s they find, each naming the ranks involved.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "REDUCE_OPS",
+    "Problem",
     "all_gather_flat",
     "all_to_all",
     "all_to_all_single",
@@ -133,12 +135,19 @@ def all_to_all(inputs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
     return [[inputs[src][dst] for src in range(n)] for dst in range(n)]
 
 
+class Problem(NamedTuple):
+    """One way in which ranks' arguments do not fit together."""
+
+    text: str
+    ranks: tuple[int, ...]  # group ranks involved
+
+
 def compat_all_to_all_single(
     input_shapes: Sequence[tuple[int, ...]],
     input_splits: Sequence[Sequence[int]],
     output_shapes: Sequence[tuple[int, ...]],
     output_splits: Sequence[Sequence[int]],
-) -> str | None:
+) -> list[Problem]:
     """Whether every sender's piece matches what its receiver expects."""
     n = len(input_shapes)
     problems = []
@@ -146,36 +155,43 @@ def compat_all_to_all_single(
         for src in range(n):
             sent, expected = input_splits[src][dst], output_splits[dst][src]
             if sent != expected:
-                problems.append(
-                    f"rank {dst} expects {expected} rows from rank {src}, which sends {sent}"
-                )
-        if output_shapes[dst][1:] != input_shapes[0][1:]:
-            problems.append(
-                f"rank {dst} receives rows of shape {list(output_shapes[dst][1:])}, "
-                f"but rank 0 sends rows of shape {list(input_shapes[0][1:])}"
-            )
-    for src in range(1, n):
-        if input_shapes[src][1:] != input_shapes[0][1:]:
-            problems.append(
-                f"rank {src} sends rows of shape {list(input_shapes[src][1:])}, "
-                f"rank 0 rows of shape {list(input_shapes[0][1:])}"
-            )
-    return "; ".join(problems) or None
+                text = f"rank {dst} expects {expected} rows from rank {src}, which sends {sent}"
+                problems.append(Problem(text, (dst, src)))
+    rows = input_shapes[0][1:]
+    for r in range(n):
+        for what, shape in (("sends", input_shapes[r][1:]), ("receives", output_shapes[r][1:])):
+            if shape != rows:
+                text = f"rank {r} {what} rows of shape {list(shape)}, rank 0 sends rows of shape {list(rows)}"
+                problems.append(Problem(text, (r,)))
+    return problems
 
 
 def compat_exchange(
     sent: Sequence[Sequence[tuple[int, ...] | None]],
     expected: Sequence[Sequence[tuple[int, ...] | None]],
     what: str,
-) -> str | None:
+) -> list[Problem]:
     """Whether ``sent[src][dst]`` (a shape, or None when nothing moves) matches ``expected[dst][src]``."""
     problems = []
     for src, row in enumerate(sent):
         for dst, shape in enumerate(row):
             want = expected[dst][src]
             if shape is not None and want is not None and shape != want:
-                problems.append(
+                text = (
                     f"rank {dst} expects {what} of shape {list(want)} from rank {src}, "
                     f"which sends shape {list(shape)}"
                 )
-    return "; ".join(problems) or None
+                problems.append(Problem(text, (dst, src)))
+    return problems
+
+
+def culprits(problems: Sequence[Problem]) -> tuple[int, ...]:
+    """The ranks most often involved in ``problems``: the likely odd ones out."""
+    counts: dict[int, int] = {}
+    for problem in problems:
+        for rank in problem.ranks:
+            counts[rank] = counts.get(rank, 0) + 1
+    if not counts:
+        return ()
+    most = max(counts.values())
+    return tuple(sorted(r for r, c in counts.items() if c == most))

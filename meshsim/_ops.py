@@ -89,18 +89,19 @@ def all_gather(calls: Sequence[Call]) -> None:
                 _write(out, src)
 
 
-def all_gather_compat(calls: Sequence[Call]) -> str | None:
+def all_gather_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     sent = [[tuple(c.payload[1][j].shape) for c in calls] for j in range(len(calls[0].payload[1]))]
     problems = []
     for j, shapes in enumerate(sent):
         for r, c in enumerate(calls):
             for s, out in enumerate(c.payload[0][j]):
                 if out.numel() != _numel(shapes[s]):
-                    problems.append(
+                    text = (
                         f"rank {r} gathers {out.numel()} elements from rank {s}, "
                         f"which contributes shape {list(shapes[s])}"
                     )
-    return "; ".join(problems) or None
+                    problems.append(mv.Problem(text, (r, s)))
+    return problems
 
 
 # payload: (outputs, inputs): outputs[j] is the flat concatenation of every rank's inputs[j]
@@ -127,7 +128,7 @@ def reduce_scatter(calls: Sequence[Call]) -> None:
             _write(out, result)
 
 
-def reduce_scatter_compat(calls: Sequence[Call]) -> str | None:
+def reduce_scatter_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     problems = []
     for j in range(len(calls[0].payload[0])):
         for r, receiver in enumerate(calls):
@@ -135,11 +136,12 @@ def reduce_scatter_compat(calls: Sequence[Call]) -> str | None:
             for s, sender in enumerate(calls):
                 got = sender.payload[1][j][r]
                 if got.numel() != want:
-                    problems.append(
+                    text = (
                         f"rank {s} contributes shape {list(got.shape)} to rank {r}, "
                         f"whose output holds {want} elements"
                     )
-    return "; ".join(problems) or None
+                    problems.append(mv.Problem(text, (s, r)))
+    return problems
 
 
 # payload: (outputs, inputs, op, factor): rank r's outputs[j] = r-th chunk of the reduced inputs[j]
@@ -161,7 +163,7 @@ def all_to_all_single(calls: Sequence[Call]) -> None:
         _write(c.payload[0], result)
 
 
-def all_to_all_single_compat(calls: Sequence[Call]) -> str | None:
+def all_to_all_single_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     return mv.compat_all_to_all_single(
         [tuple(c.payload[1].shape) for c in calls],
         [c.payload[3] for c in calls],
@@ -179,7 +181,7 @@ def all_to_all(calls: Sequence[Call]) -> None:
             _write(out, piece)
 
 
-def all_to_all_compat(calls: Sequence[Call]) -> str | None:
+def all_to_all_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     sent = [[tuple(t.shape) for t in c.payload[1]] for c in calls]
     expected = [[tuple(t.shape) for t in c.payload[0]] for c in calls]
     return mv.compat_exchange(sent, expected, "a tensor")
@@ -194,7 +196,7 @@ def scatter(calls: Sequence[Call]) -> None:
         _write(c.payload[0], piece)
 
 
-def scatter_compat(calls: Sequence[Call]) -> str | None:
+def scatter_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     root = calls[0].payload[2]
     sent = [[None] * len(calls) for _ in calls]
     sent[root] = [tuple(t.shape) for t in calls[root].payload[1]]
@@ -211,7 +213,7 @@ def gather(calls: Sequence[Call]) -> None:
         _write(out, src)
 
 
-def gather_compat(calls: Sequence[Call]) -> str | None:
+def gather_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     root = calls[0].payload[2]
     sent: list[list[tuple[int, ...] | None]] = [[None] * len(calls) for _ in calls]
     for s, c in enumerate(calls):

@@ -12,11 +12,13 @@ across ranks and how to move data come with each :class:`Call`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshsim._errors import CollectiveMismatchError
+from meshsim._movement import Problem, culprits
 from meshsim._scheduler import Scheduler, Waitable
 
 __all__ = ["Call", "GroupState", "Mailbox", "Message", "PostedRecv", "Rendezvous", "Slot"]
@@ -41,7 +43,7 @@ class Call:
         payload: the tensors and options the executor needs.
         execute: moves the data, given every rank's call in group-rank order.
         compat: the cross-rank check for what may differ between ranks (e.g. all_to_all
-            splits); returns a message, or None when compatible.
+            splits); returns the problems found (none when compatible).
     """
 
     group_rank: int
@@ -51,7 +53,7 @@ class Call:
     site: str
     payload: Any
     execute: Callable[[Sequence[Call]], None]
-    compat: Callable[[Sequence[Call]], str | None] | None = None
+    compat: Callable[[Sequence[Call]], list[Problem]] | None = None
 
     @property
     def text(self) -> str:
@@ -96,9 +98,11 @@ class Slot(Waitable):
         if self.mismatch:
             self.error = self._mismatch_error("ranks entered different collectives")
             return
-        problem = calls[0].compat(calls) if calls[0].compat is not None else None
-        if problem is not None:
-            self.error = self._mismatch_error(f"{calls[0].op} arguments do not fit together: {problem}")
+        problems = calls[0].compat(calls) if calls[0].compat is not None else []
+        if problems:
+            self.error = self._mismatch_error(
+                f"the ranks' {calls[0].op} arguments do not fit together", problems
+            )
             return
         try:
             calls[0].execute(calls)
@@ -127,10 +131,15 @@ class Slot(Waitable):
     def _where(self) -> str:
         return f"call #{self.seq} of {self.group.label()}"
 
-    def _mismatch_error(self, headline: str) -> CollectiveMismatchError:
+    def _mismatch_error(
+        self, headline: str, problems: Sequence[Problem] = ()
+    ) -> CollectiveMismatchError:
         ranks = self.group.ranks
         texts = {ranks[i]: c.text for i, c in enumerate(self.calls) if c is not None}
-        odd = _odd_ones(self.calls, ranks)
+        if problems:
+            odd = tuple(ranks[r] for r in culprits(problems))
+        else:
+            odd = _odd_ones(self.calls, ranks)
         width = max((len(t) for t in texts.values()), default=0)
         rows = []
         for i, call in enumerate(self.calls):
@@ -140,9 +149,23 @@ class Slot(Waitable):
                 continue
             mark = "   <- differs" if rank in odd else ""
             rows.append(f"  rank {rank}: {call.text.ljust(width)}  at {call.site}{mark}")
-        differs = f"Rank{'s' if len(odd) > 1 else ''} {_ranks(odd)} differ{'' if len(odd) > 1 else 's'} from the others. " if odd else ""
-        message = f"{headline} as {self._where()}:\n" + "\n".join(rows) + f"\n{differs}{_ADVICE}"
+        details = "".join(f"\n  - {_global(p.text, ranks)}" for p in problems)
+        if odd:
+            plural = len(odd) > 1
+            differs = f"Rank{'s' if plural else ''} {_ranks(odd)} differ{'' if plural else 's'} from the others. "
+        else:
+            differs = ""
+        message = (
+            f"{headline} in {self._where()}:\n" + "\n".join(rows)
+            + (f"\nWhat does not fit:{details}" if details else "")
+            + f"\n{differs}{_ADVICE}"
+        )
         return CollectiveMismatchError(message, group=ranks, seq=self.seq, ranks=odd, calls=texts)
+
+
+def _global(text: str, ranks: tuple[int, ...]) -> str:
+    """Problems name group ranks; show global ranks (they differ in sub-groups)."""
+    return re.sub(r"rank (\d+)", lambda m: f"rank {ranks[int(m.group(1))]}", text)
 
 
 def _odd_ones(calls: Sequence[Call | None], ranks: tuple[int, ...]) -> tuple[int, ...]:

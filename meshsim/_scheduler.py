@@ -329,13 +329,17 @@ class Scheduler:
     def _why(self, culprits: tuple[int, ...]) -> str:
         if not culprits:
             return ""
+        done = [r for r in culprits if self._state[r] == _DONE]
+        elsewhere = [r for r in culprits if self._state[r] != _DONE]
         parts = []
-        for r in culprits:
-            if self._state[r] == _DONE:
-                parts.append(f"rank {r} {self._outcome[r] or 'finished'}")
-            else:
-                parts.append(f"rank {r} is {self._describe(r)}")
-        return "The others wait for " + "; ".join(parts) + "."
+        if done:
+            parts.append(f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}, which finished")
+        if elsewhere:
+            parts.append(
+                f"rank{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))}, "
+                "which wait in another call (see above)"
+            )
+        return "Ranks wait for " + " and for ".join(parts) + "."
 
     def _timeout_error(self, idle: float, timeout: float) -> DeadlockError:
         states = self._states()
@@ -346,8 +350,9 @@ class Scheduler:
             lines.append(f"  rank {rank}: {text}")
             ident = self._idents[rank]
             frame = frames.get(ident) if ident is not None else None
-            if frame is not None and self._state[rank] != _DONE:
-                lines.append(_format_stack(frame))
+            stack = _format_stack(frame) if frame is not None and self._state[rank] != _DONE else ""
+            if stack:
+                lines.append(stack)
         who = ", ".join(map(str, busy)) if busy else "none"
         message = (
             f"timeout: the {self.world_size}-rank world made no progress for {idle:.1f} s "

@@ -245,16 +245,21 @@ class _World:
         try:
             self.scheduler.start(rank)
             with recorder:
-                self._init_process_group(rank)
+                # The failure is recorded before the process groups are torn down:
+                # on gloo, tearing down closes sockets, and the peers' resulting
+                # errors must not be mistaken for the first failure.
                 try:
+                    self._init_process_group(rank)
                     self.results[rank] = self.fn(*self.args, **self.kwargs)
+                except WorldAborted:
+                    outcome = "stopped: the world failed"
+                except BaseException as exc:
+                    outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+                    self._rank_failed(rank, exc)
                 finally:
                     _destroy_process_groups()
         except WorldAborted:
             outcome = "stopped: the world failed"
-        except BaseException as exc:
-            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
-            self._rank_failed(rank, exc)
         finally:
             bind_rank(None)
             self.scheduler.finish(rank, outcome)

@@ -1,0 +1,329 @@
+"""Every failure a world reports: the right class, the right rank, the message pinned, and no hang.
+
+No test here measures time. A world that failed to notice a problem would hit
+its ``timeout`` and raise a *timeout* DeadlockError instead, so asserting the
+class and ``timed_out`` proves that detection was immediate.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshsim
+
+SERIALIZE = pytest.mark.parametrize("serialize", [True, False], ids=["serialized", "free"])
+
+
+def _run(fn: object, ws: int = 4, **kw: object) -> BaseException:
+    with pytest.raises(meshsim.MeshError) as info:
+        meshsim.run(fn, ws, timeout=30, **kw)  # type: ignore[arg-type]
+    return info.value
+
+
+@SERIALIZE
+def test_rank_error_names_the_rank_and_keeps_the_cause(serialize: bool) -> None:
+    def body() -> None:
+        x = torch.ones(2)
+        dist.all_reduce(x)
+        if dist.get_rank() == 2:
+            raise ValueError("boom on two")
+        dist.all_reduce(x)
+
+    error = _run(body, serialize=serialize)
+    assert type(error) is meshsim.RankError
+    assert error.rank == 2 and error.world_size == 4
+    assert isinstance(error.__cause__, ValueError)
+    assert str(error.__cause__) == "boom on two"
+    message = str(error)
+    assert message.startswith("rank 2 of 4 raised; its traceback:\nTraceback (most recent call last):")
+    assert 'raise ValueError("boom on two")' in message
+    assert message.rstrip().endswith("ValueError: boom on two")
+    assert error.failures == ((2, error.__cause__),)
+
+
+def test_rank_error_lists_every_rank_that_raised_on_its_own() -> None:
+    def body() -> None:
+        raise RuntimeError(f"rank {dist.get_rank()} gives up")
+
+    error = _run(body, 3)
+    assert isinstance(error, meshsim.RankError)
+    assert error.rank == 0
+    assert "rank 0 of 3 raised" in str(error)
+    assert str(error.__cause__) == "rank 0 gives up"
+
+
+def test_rank_error_for_an_error_before_any_collective_releases_the_others() -> None:
+    def body() -> None:
+        if dist.get_rank() == 3:
+            raise KeyError("early")
+        dist.barrier()
+
+    error = _run(body)
+    assert isinstance(error, meshsim.RankError) and error.rank == 3
+
+
+MISMATCHES = {
+    "op": (
+        lambda r, x: dist.broadcast(x, 0) if r == 1 else dist.all_reduce(x),
+        r"rank 1: broadcast\(float32\[4\], src=0\)\s+at test_errors.py:\d+ in <lambda>   <- differs",
+    ),
+    "dtype": (
+        lambda r, x: dist.all_reduce(x.double() if r == 1 else x),
+        r"rank 1: all_reduce\(float64\[4\], SUM\)\s+at .*<- differs",
+    ),
+    "shape": (
+        lambda r, x: dist.all_reduce(x[:3].contiguous() if r == 1 else x),
+        r"rank 1: all_reduce\(float32\[3\], SUM\)\s+at .*<- differs",
+    ),
+    "reduce_op": (
+        lambda r, x: dist.all_reduce(x, op=dist.ReduceOp.MAX if r == 1 else dist.ReduceOp.SUM),
+        r"rank 1: all_reduce\(float32\[4\], MAX\)\s+at .*<- differs",
+    ),
+    "root": (
+        lambda r, x: dist.broadcast(x, src=1 if r == 1 else 0),
+        r"rank 1: broadcast\(float32\[4\], src=1\)\s+at .*<- differs",
+    ),
+}
+
+
+@SERIALIZE
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatch_table_names_the_odd_rank(kind: str, serialize: bool) -> None:
+    call, row = MISMATCHES[kind]
+
+    def body() -> None:
+        call(dist.get_rank(), torch.ones(4))
+
+    error = _run(body, serialize=serialize)
+    assert type(error) is meshsim.CollectiveMismatchError
+    assert error.ranks == (1,)
+    assert error.group == (0, 1, 2, 3) and error.seq == 0
+    message = str(error)
+    assert message.startswith("ranks entered different collectives in call #0 of group [0, 1, 2, 3]:\n")
+    assert re.search(row, message), message
+    assert "Rank 1 differs from the others. Every rank of a group must issue the same collectives" in message
+    assert set(error.calls) == {0, 1, 2, 3}
+
+
+def test_mismatch_from_swapped_order_is_caught_at_the_first_call() -> None:
+    def body() -> None:
+        x = torch.ones(4)
+        if dist.get_rank() == 0:
+            dist.all_gather_into_tensor(torch.zeros(12), x)
+            dist.all_reduce(x)
+        else:
+            dist.all_reduce(x)
+            dist.all_gather_into_tensor(torch.zeros(12), x)
+
+    error = _run(body, 3)
+    assert isinstance(error, meshsim.CollectiveMismatchError)
+    assert error.ranks == (0,)
+    assert "rank 0: all_gather_into_tensor(float32[4] -> float32[12])" in str(error)
+
+
+def test_all_to_all_split_mismatch_is_explained() -> None:
+    def body() -> None:
+        rank = dist.get_rank()
+        dist.all_to_all_single(torch.zeros(4), torch.ones(4), [2, 2], [1, 3] if rank == 1 else [2, 2])
+
+    error = _run(body, 2)
+    assert isinstance(error, meshsim.CollectiveMismatchError)
+    assert error.ranks == (1,)
+    message = str(error)
+    assert message.startswith("the ranks' all_to_all arguments do not fit together in call #0 of group [0, 1]:")
+    assert "What does not fit:\n  - rank 0 expects 2 rows from rank 1, which sends 1\n" in message
+
+
+def test_mismatch_is_raised_on_every_rank_at_the_rendezvous() -> None:
+    def body() -> str:
+        x = torch.ones(4)
+        try:
+            if dist.get_rank() == 2:
+                dist.all_reduce(x, op=dist.ReduceOp.MIN)
+            else:
+                dist.all_reduce(x)
+        except meshsim.CollectiveMismatchError as error:
+            return f"{error.ranks}"
+        return "no error"
+
+    assert meshsim.run(body, 3) == ["(2,)"] * 3
+
+
+def test_mismatch_in_a_sub_group_names_global_ranks() -> None:
+    def body() -> None:
+        group = dist.new_group([1, 2, 3])
+        if dist.get_rank() == 0:
+            return
+        size = 5 if dist.get_rank() == 3 else 4
+        dist.all_reduce(torch.ones(size), group=group)
+
+    error = _run(body)
+    assert isinstance(error, meshsim.CollectiveMismatchError)
+    assert error.group == (1, 2, 3) and error.ranks == (3,)
+    assert "call #0 of group [1, 2, 3]" in str(error)
+
+
+def test_send_recv_mismatch() -> None:
+    def body() -> None:
+        if dist.get_rank() == 0:
+            dist.send(torch.ones(3), 1)
+        else:
+            dist.recv(torch.zeros(4), 0)
+
+    error = _run(body, 2)
+    assert isinstance(error, meshsim.CollectiveMismatchError)
+    message = str(error)
+    assert message.startswith(
+        "send and recv do not fit together in group [0, 1]: sent float32[3], receiving into float32[4]\n"
+    )
+    assert error.ranks == (0, 1)
+
+
+@SERIALIZE
+def test_deadlock_when_a_rank_skips_a_collective(serialize: bool) -> None:
+    def body() -> None:
+        if dist.get_rank() == 2:
+            return
+        dist.all_reduce(torch.ones(2))
+
+    error = _run(body, serialize=serialize)
+    assert type(error) is meshsim.DeadlockError
+    assert not error.timed_out and error.ranks == (2,)
+    message = str(error)
+    assert message.startswith("deadlock: no rank of the 4-rank world can make progress.\n")
+    assert re.search(
+        r"  rank 0: waiting in all_reduce\(float32\[2\], SUM\), call #0 of group \[0, 1, 2, 3\] "
+        r"at test_errors.py:\d+ in body; waiting for rank 2\n",
+        message,
+    )
+    assert "  rank 2: finished: its function returned\n" in message
+    assert message.endswith("Ranks wait for rank 2, which finished.")
+    assert error.states[2] == "finished: its function returned"
+
+
+def test_deadlock_across_groups_names_the_cycle() -> None:
+    def body() -> None:
+        pair = dist.new_group([0, 1])
+        if dist.get_rank() == 1:
+            dist.all_reduce(torch.ones(1), group=pair)
+        else:
+            dist.all_reduce(torch.ones(1))
+
+    error = _run(body)
+    assert isinstance(error, meshsim.DeadlockError)
+    assert error.ranks == (0, 1)
+    assert "rank 1: waiting in all_reduce(float32[1], SUM), call #0 of group [0, 1]" in str(error)
+    assert str(error).endswith("Ranks wait for ranks 0, 1, which wait in another call (see above).")
+
+
+def test_deadlock_on_recv_without_send_shows_unmatched_messages() -> None:
+    def body() -> None:
+        if dist.get_rank() == 1:
+            dist.send(torch.ones(2), 0, tag=7)
+        elif dist.get_rank() == 0:
+            dist.recv(torch.zeros(2), 1, tag=0)
+
+    error = _run(body, 2)
+    assert isinstance(error, meshsim.DeadlockError)
+    assert re.search(
+        r"rank 0: waiting in recv\(float32\[2\]\) from rank 1 \(tag 0\) at test_errors.py:\d+ in body; "
+        r"unmatched messages to it: from rank 1 with tag 7 \(send\(float32\[2\], dst=0, tag=7\) at ",
+        str(error),
+    )
+
+
+def test_busy_rank_past_the_timeout_reports_every_stack() -> None:
+    def spin_forever() -> None:
+        while True:
+            time.sleep(0.001)
+
+    def body() -> None:
+        if dist.get_rank() == 1:
+            spin_forever()
+        dist.barrier()
+
+    with pytest.raises(meshsim.DeadlockError) as info:
+        meshsim.run(body, 3, timeout=0.3)
+    error = info.value
+    assert error.timed_out and error.ranks == (1,)
+    message = str(error)
+    assert message.startswith("timeout: the 3-rank world made no progress for ")
+    assert "(timeout=0.3 s) while ranks waited; ranks still running their own code: 1." in message
+    assert "  rank 1: running its own code\n" in message
+    assert "in spin_forever" in message  # rank 1's stack
+    assert "dist.barrier()" in message  # rank 0's stack
+
+
+def test_next_world_runs_after_failures() -> None:
+    def bad() -> None:
+        if dist.get_rank() == 0:
+            raise RuntimeError("x")
+        dist.barrier()
+
+    def good() -> float:
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        return x.item()
+
+    for _ in range(3):
+        _run(bad)
+        assert meshsim.run(good, 4) == [4.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"world_size": 0}, ValueError, "world_size must be at least 1, got 0"),
+        ({"world_size": "4"}, TypeError, "world_size must be an int, got '4'"),
+        ({"world_size": True}, TypeError, "world_size must be an int, got True"),
+        ({"timeout": -1}, ValueError, "timeout must be a positive, finite number of seconds, got -1"),
+        ({"backend": "nccl"}, ValueError, "backend must be one of 'sim', 'gloo', got 'nccl'"),
+        ({"num_threads": 0}, ValueError, "num_threads must be a positive int or None, got 0"),
+    ],
+    ids=["ws0", "ws-str", "ws-bool", "timeout", "backend", "threads"],
+)
+def test_bad_arguments_to_run(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    args = {"world_size": 2, **kwargs}
+    with pytest.raises(error, match=re.escape(message)):
+        meshsim.run(lambda: None, **args)  # type: ignore[arg-type]
+
+
+def test_fn_must_be_callable() -> None:
+    with pytest.raises(TypeError, match=re.escape("run() needs a callable to run on every rank, got 3")):
+        meshsim.run(3, 2)  # type: ignore[arg-type]
+
+
+def test_backend_outside_a_world_says_so() -> None:
+    import threading
+
+    from meshsim._backend import BACKEND_NAME, create_process_group
+
+    errors: list[BaseException] = []
+
+    def outside() -> None:
+        try:
+            create_process_group(None, None)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=outside)
+    thread.start()
+    thread.join(10)
+    assert str(errors[0]).startswith(f"the {BACKEND_NAME!r} backend only works inside meshsim.run()")
+
+
+def test_local_argument_errors_name_the_values() -> None:
+    def body() -> None:
+        dist.all_gather_into_tensor(torch.zeros(5), torch.ones(2))
+
+    error = _run(body, 2)
+    assert isinstance(error, meshsim.RankError)
+    assert str(error.__cause__) == (
+        "all_gather_into_tensor: the output tensor float32[5] must hold 2 times the elements "
+        "of the input tensor float32[2] (4), got 5"
+    )

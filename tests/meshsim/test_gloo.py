@@ -1,0 +1,77 @@
+"""backend="gloo": real ProcessGroupGloo ranks in threads, with the same ledger as the simulator."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import meshsim
+
+
+def program() -> list[tuple[object, ...]]:
+    """A mix of plain, functional, object, p2p, sub-group and DTensor collectives."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    with meshsim.record() as ledger:
+        t = torch.ones(4) * rank
+        dist.all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_gather_into_tensor(torch.zeros(4 * ws), t)
+        dist.all_gather([torch.zeros(4) for _ in range(ws)], t)
+        dist.broadcast(t, src=1)
+        dist.reduce(t, dst=0)
+        dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * ws))
+        dist.all_to_all_single(torch.zeros(4 * ws), torch.ones(4 * ws))
+        dist.barrier()
+        pair = dist.new_group([0, 1])
+        if rank in (0, 1):
+            dist.all_reduce(t, group=pair)
+        if rank == 0:
+            dist.send(t, 1)
+        if rank == 1:
+            dist.recv(t, 0)
+        funcol.all_gather_tensor(t, 0, dist.group.WORLD).wait()
+        funcol.all_reduce(t, "sum", dist.group.WORLD).wait()
+        dist.all_gather_object([None] * ws, rank)
+        mesh = init_device_mesh("cpu", (ws,))
+        dt = DTensor.from_local(torch.ones(2, 8), mesh, [Shard(0)])
+        dt.redistribute(mesh, [Shard(1)]).full_tensor()
+    return [
+        (c.op, c.api, c.group, c.dtype, c.bytes_in, c.bytes_out, c.reduce_op, c.seq, c.peer, c.site)
+        for c in ledger.calls
+    ]
+
+
+def test_sim_and_gloo_ledgers_are_identical() -> None:
+    sim = meshsim.run(program, 4)
+    gloo = meshsim.run(program, 4, backend="gloo")
+    assert len(sim[0]) == 17 and len(sim[2]) == 15
+    assert sim == gloo
+
+
+def test_gloo_results_match_the_simulator() -> None:
+    def body() -> list[float]:
+        x = torch.arange(4.0) + dist.get_rank()
+        dist.all_reduce(x)
+        out = torch.zeros(12)
+        dist.all_gather_into_tensor(out, x[:4].clone()[:4].reshape(4))
+        return x.tolist() + out.tolist()
+
+    assert meshsim.run(body, 3, backend="gloo") == meshsim.run(body, 3)
+
+
+def test_gloo_rank_error() -> None:
+    def body() -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("gloo rank fails")
+        dist.all_reduce(torch.ones(2))
+
+    try:
+        meshsim.run(body, 3, backend="gloo", timeout=20)
+    except meshsim.RankError as error:
+        assert error.rank == 1
+        assert str(error.__cause__) == "gloo rank fails"
+    else:
+        raise AssertionError("expected a RankError")

@@ -1,0 +1,150 @@
+"""A world leaves the process as it found it, whether it succeeds or fails."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import meshsim
+
+
+def ok() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.ones(2)
+    dist.all_reduce(x)
+
+
+def raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("no")
+    dist.barrier()
+
+
+def mismatches() -> None:
+    x = torch.ones(2)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if dist.get_rank() == 0 else dist.ReduceOp.SUM)
+
+
+def deadlocks() -> None:
+    if dist.get_rank() != 0:
+        dist.barrier()
+
+
+def meddles() -> None:
+    """Changes process-global state the way user code might."""
+    torch.manual_seed(123)
+    torch.set_default_dtype(torch.float64)
+    os.environ["MESHSIM_TEST_LEAK"] = "1"
+    torch.use_deterministic_algorithms(True)
+    dist.barrier()
+
+
+PROGRAMS: dict[str, Callable[[], None]] = {
+    "ok": ok,
+    "raises": raises,
+    "mismatches": mismatches,
+    "deadlocks": deadlocks,
+    "meddles": meddles,
+}
+
+
+def snapshot() -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import _collective_utils
+
+    return {
+        "excepthook": sys.excepthook,
+        "threading.excepthook": threading.excepthook,
+        "rng": torch.get_rng_state(),
+        "world": c10d._world,
+        "initialized": dist.is_initialized(),
+        "autograd threads": torch._C._is_multithreading_enabled(),
+        "num_threads": torch.get_num_threads(),
+        "environ": dict(os.environ),
+        "dtype": torch.get_default_dtype(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "plugins": dict(dist.Backend._plugins),
+        "backend names": list(dist.Backend.backend_list),
+        "mesh init": DeviceMesh.__init__,
+        "local_tensor_mode": _collective_utils.local_tensor_mode,
+        "threads": threading.active_count(),
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    differ = []
+    for key in a:
+        x, y = a[key], b[key]
+        equal = torch.equal(x, y) if isinstance(x, torch.Tensor) else (x is y or x == y)
+        if not equal:
+            differ.append(key)
+    return differ
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_process_state_is_restored(name: str) -> None:
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  (imported before the snapshot)
+    from torch.distributed.tensor import _collective_utils  # noqa: F401
+
+    before = snapshot()
+    try:
+        meshsim.run(PROGRAMS[name], 3, timeout=30)
+    except meshsim.MeshError:
+        pass
+    assert same(before, snapshot()) == []
+    assert "MESHSIM" not in dist.Backend._plugins and not hasattr(dist.Backend, "MESHSIM")
+
+    def new_thread_num_threads() -> list[int]:
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join(10)
+        return seen
+
+    assert new_thread_num_threads() == [torch.get_num_threads()]
+
+
+def test_excepthook_does_not_nest_across_worlds() -> None:
+    hook = sys.excepthook
+    for _ in range(20):
+        meshsim.run(lambda: None, 4)
+    assert sys.excepthook is hook
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc to read RSS")
+def test_a_thousand_worlds_half_failing_leave_threads_and_memory_flat() -> None:
+    failing = [raises, mismatches, deadlocks]
+
+    def one(i: int) -> None:
+        program = failing[(i // 2) % 3] if i % 2 else ok
+        try:
+            meshsim.run(program, 4, timeout=30)
+        except meshsim.MeshError:
+            assert program is not ok
+
+    for i in range(100):  # warm-up: imports, caches, allocator pools
+        one(i)
+    gc.collect()
+    threads, rss = threading.active_count(), _rss_bytes()
+    for i in range(1000):
+        one(i)
+    gc.collect()
+    grown = _rss_bytes() - rss
+    assert threading.active_count() == threads
+    assert grown < 32 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB over 1000 worlds"
