@@ -28,7 +28,14 @@ from meshsim._rendezvous import Call, Message, PostedRecv, Rendezvous
 from meshsim._scheduler import Scheduler
 from meshsim._torch_private import completed_work
 
-__all__ = ["BACKEND_NAME", "RankContext", "SimProcessGroup", "bind_rank", "create_process_group"]
+__all__ = [
+    "BACKEND_NAME",
+    "RankContext",
+    "SimProcessGroup",
+    "bind_rank",
+    "create_process_group",
+    "default_process_group",
+]
 
 BACKEND_NAME = "meshsim"
 Tensor = torch.Tensor
@@ -63,6 +70,13 @@ def create_process_group(opts: Any, backend_options: Any) -> SimProcessGroup:
     ranks = tuple(opts.global_ranks_in_group) or tuple(range(opts.group_size))
     group = context.rendezvous.group(str(opts.group_id), ranks, context.rank)
     return SimProcessGroup(context, group, opts.group_rank)
+
+
+def default_process_group(context: RankContext) -> SimProcessGroup:
+    """This rank's handle on the world group, named "0" as c10d names the default group."""
+    ranks = tuple(range(context.world_size))
+    group = context.rendezvous.group("0", ranks, context.rank)
+    return SimProcessGroup(context, group, context.rank)
 
 
 class SimWork(dist.Work):

@@ -99,12 +99,26 @@ class Scheduler:
         self._signals: list[int] = []
         self._idents: list[int | None] = [None] * world_size
         self._outcome: list[str] = [""] * world_size
-        self._holder: int | None = 0 if serialize else None
+        # No rank runs before begin(): starting a thread then costs the starter only
+        # the new thread's first steps, not rank 0's whole first turn.
+        self._holder: int | None = None
+        self._begun = False
         self._last_ran: int | None = None
         self._done = 0
         self._progress_at = time.monotonic()
 
     # -- called by rank threads -------------------------------------------------
+
+    def begin(self) -> None:
+        """Let rank 0 run (serialize mode); call once every rank thread has started."""
+        self.lock.acquire()
+        try:
+            self._begun = True
+            if self.serialize and self._holder is None and self._state[0] == _READY:
+                self._holder = 0
+                self._signal(0)
+        finally:
+            self._unlock()
 
     def start(self, rank: int) -> None:
         """Register the calling thread as ``rank``; returns when it may run."""
@@ -271,6 +285,8 @@ class Scheduler:
         self._holder = None
 
     def _check_deadlock(self) -> None:
+        if not self._begun:
+            return
         states = self._state
         if _RUNNING in states or _READY in states or _BLOCKED not in states:
             return

@@ -1,12 +1,9 @@
-"""Every private torch API meshsim depends on, and the process-global patches built on them.
+"""Every private torch API meshsim depends on, and the patches built on them.
 
 Checked against torch 2.11, 2.12, 2.13 and 2.14 source. Nothing outside this module
 touches a ``torch._C`` name or a private ``torch.distributed`` attribute; when torch
-moves one of these, this is the only file to change.
-
-The patches are reference counted: the first world to start installs them, the last
-world to end removes them, so worlds may overlap (worlds started from several threads)
-and a process that never runs a world is never touched.
+moves one of these, this is the only file to change. Each process-global change
+comes as a pair (install, uninstall); :mod:`meshsim._patches` applies them.
 """
 
 from __future__ import annotations
@@ -14,8 +11,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,9 +20,10 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _create_work_from_future, _resolve_process_group
 
 __all__ = [
+    "as_process_group",
     "completed_work",
-    "process_global_patches",
-    "rank_thread",
+    "install_default_group",
+    "install_thread_worlds",
     "resolve_group",
 ]
 
@@ -84,107 +81,66 @@ class _ThreadWorlds:
         setattr(self._current(), name, value)
 
 
-class _Patches:
-    """The reference-counted process-global changes a running world needs."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved: dict[str, Any] = {}
-        self.worlds: _ThreadWorlds | None = None
-        self.local = threading.local()  # .token, .gpu_paths for rank threads
-
-    def acquire(self, backend_name: str, creator: Callable[..., Any]) -> None:
-        with self._lock:
-            self._users += 1
-            if self._users == 1:
-                self._install()
-                self._saved["backend"] = _register_backend(backend_name, creator)
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                self._uninstall()
-
-    def _install(self) -> None:
-        saved = self._saved
-        saved["world"] = c10d._world
-        self.worlds = _ThreadWorlds(c10d._world)
-        c10d._world = self.worlds
-        # Funcol and DTensor find groups by name in a C++ registry; per-thread
-        # registries keep rank threads' identically named groups apart. There is no
-        # public getter, so we assume it was off, as it is unless torch's own
-        # threaded test harness is running.
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
-        # CUDA backward otherwise runs in autograd's device threads, which are not
-        # rank threads; torch's own threaded PG makes the same change.
-        saved["autograd_mt"] = torch._C._is_multithreading_enabled()
-        torch._C._set_multithreading_enabled(False)
-        saved["mesh_init"] = _patch_device_mesh()
-        saved["a2a"] = _patch_dtensor_cpu_alltoall(self.local)
-
-    def _uninstall(self) -> None:
-        saved = self._saved
-        if c10d._world is self.worlds:
-            c10d._world = saved["world"]
-        self.worlds = None
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        torch._C._set_multithreading_enabled(saved["autograd_mt"])
-        _unpatch_device_mesh(saved["mesh_init"])
-        _unpatch_dtensor_cpu_alltoall(saved["a2a"])
-        _unregister_backend(saved["backend"])
-        clear_dtensor_caches()
-        saved.clear()
-
-
-_PATCHES = _Patches()
+_rank = threading.local()  # .token, .gpu_paths: set while a thread is a rank
 _TOKENS = itertools.count(1)
 
 
-@contextmanager
-def process_global_patches(backend_name: str, creator: Callable[..., Any]) -> Iterator[None]:
-    """Install the patches a world needs, and its c10d backend, for the block.
+def install_thread_worlds() -> _ThreadWorlds:
+    """Replace ``c10d._world`` with a per-thread view (returns the view; see :func:`uninstall_thread_worlds`)."""
+    worlds = _ThreadWorlds(c10d._world)
+    c10d._world = worlds
+    # Funcol and DTensor find groups by name in a C++ registry; per-thread
+    # registries keep rank threads' identically named groups apart. There is no
+    # public getter, so we assume it was off, as it is unless torch's own
+    # threaded test harness is running.
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    return worlds
 
-    Every world passes the same ``backend_name`` and ``creator``: the creator finds
-    its world through the calling rank thread.
+
+def uninstall_thread_worlds(worlds: _ThreadWorlds) -> None:
+    if c10d._world is worlds:
+        c10d._world = worlds._original
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+def disable_autograd_threads() -> bool:
+    """Run backward in the calling thread for every device; returns the previous setting.
+
+    CUDA backward otherwise runs in autograd's device threads, which are not rank
+    threads; torch's own threaded process group makes the same change.
     """
-    _PATCHES.acquire(backend_name, creator)
-    try:
-        yield
-    finally:
-        _PATCHES.release()
+    previous = bool(torch._C._is_multithreading_enabled())
+    torch._C._set_multithreading_enabled(False)
+    return previous
 
 
-@contextmanager
-def rank_thread(*, gpu_paths: bool) -> Iterator[None]:
-    """Mark the calling thread as a rank thread with its own c10d world.
+def restore_autograd_threads(previous: bool) -> None:
+    torch._C._set_multithreading_enabled(previous)
 
-    Must run inside :func:`process_global_patches`.
-    """
-    worlds = _PATCHES.worlds
-    if worlds is None:
-        raise RuntimeError("meshsim internal error: rank_thread() outside a world")
+
+def enter_rank_thread(worlds: _ThreadWorlds, *, gpu_paths: bool) -> None:
+    """Give the calling thread its own c10d world and mark it as a rank for the patches below."""
     worlds._local.world = _RankWorld()
     # DeviceMesh hashes and compares by _thread_id; a unique token per rank thread
     # keeps torch's process-wide redistribute-plan cache from handing one rank's
     # plan (which embeds its mesh coordinate) to another. Thread idents are reused
     # after a thread ends, so they are not unique enough.
-    _PATCHES.local.token = next(_TOKENS)
-    _PATCHES.local.gpu_paths = gpu_paths
-    try:
-        yield
-    finally:
-        _PATCHES.local.token = None
-        _PATCHES.local.gpu_paths = False
-        worlds._local.world = None
+    _rank.token = next(_TOKENS)
+    _rank.gpu_paths = gpu_paths
 
 
-def _patch_device_mesh() -> Callable[..., None]:
+def leave_rank_thread(worlds: _ThreadWorlds) -> None:
+    _rank.token = None
+    _rank.gpu_paths = False
+    worlds._local.world = None
+
+
+def patch_device_mesh() -> Callable[..., None]:
+    """Make meshes built in a rank thread carry that thread's token; returns the original ``__init__``."""
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__init__
-    local = _PATCHES.local
+    local = _rank
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -197,7 +153,7 @@ def _patch_device_mesh() -> Callable[..., None]:
     return original
 
 
-def _unpatch_device_mesh(original: Callable[..., None]) -> None:
+def unpatch_device_mesh(original: Callable[..., None]) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     DeviceMesh.__init__ = original  # type: ignore[method-assign]
@@ -207,7 +163,7 @@ class _NotLocalTensorMode:
     """Returned to DTensor's CPU check so that it takes the all_to_all path."""
 
 
-def _patch_dtensor_cpu_alltoall(local: threading.local) -> Callable[[], Any]:
+def patch_dtensor_cpu_alltoall() -> Callable[[], Any]:
     # torch/distributed/tensor/_collective_utils.py:shard_dim_alltoall falls back to
     # all_gather + chunk when `mesh.device_type == "cpu" and local_tensor_mode() is
     # None`. GPUs take one all_to_all; a simulated mesh should record what GPUs do.
@@ -215,6 +171,7 @@ def _patch_dtensor_cpu_alltoall(local: threading.local) -> Callable[[], Any]:
 
     original: Callable[[], Any] = _collective_utils.local_tensor_mode
     marker = _NotLocalTensorMode()
+    local = _rank
 
     def local_tensor_mode() -> Any:
         mode = original()
@@ -226,7 +183,7 @@ def _patch_dtensor_cpu_alltoall(local: threading.local) -> Callable[[], Any]:
     return original
 
 
-def _unpatch_dtensor_cpu_alltoall(original: Callable[[], Any]) -> None:
+def unpatch_dtensor_cpu_alltoall(original: Callable[[], Any]) -> None:
     from torch.distributed.tensor import _collective_utils
 
     _collective_utils.local_tensor_mode = original  # type: ignore[assignment]
@@ -254,8 +211,8 @@ _BACKEND_TABLES = (
 )
 
 
-def _register_backend(name: str, creator: Callable[..., Any]) -> dict[str, Any]:
-    """Register a c10d backend plugin; returns what :func:`_unregister_backend` needs."""
+def register_backend(name: str, creator: Callable[..., Any]) -> dict[str, Any]:
+    """Register a c10d backend plugin; returns what :func:`unregister_backend` needs."""
     backend = dist.Backend
     saved: dict[str, Any] = {t: _copy(getattr(backend, t)) for t in _BACKEND_TABLES}
     saved["had_attr"] = hasattr(backend, name.upper())
@@ -264,7 +221,7 @@ def _register_backend(name: str, creator: Callable[..., Any]) -> dict[str, Any]:
     return saved
 
 
-def _unregister_backend(saved: dict[str, Any]) -> None:
+def unregister_backend(saved: dict[str, Any]) -> None:
     backend = dist.Backend
     for table in _BACKEND_TABLES:
         current = getattr(backend, table)
@@ -279,6 +236,61 @@ def _unregister_backend(saved: dict[str, Any]) -> None:
 
 def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else dict(value)
+
+
+_BACKEND_CONFIGS: dict[str, str] = {}
+
+
+def install_default_group(pg: dist.ProcessGroup, backend: str, store: dist.Store) -> None:
+    """Make ``pg`` this rank thread's default group, as ``init_process_group`` would.
+
+    ``store`` should be what c10d keeps for a default group: the world's store
+    under the prefixes ``default_pg`` and ``0/`` (see :func:`default_group_store`).
+
+    ``init_process_group`` costs ~250 us per rank, most of it generic checks and a
+    throwaway C++ ProcessGroup; a 4-rank world must set up in well under 1 ms.
+    This writes the same c10d state directly (pinned by tests/meshsim/
+    test_torch_private.py against the real call, so a torch change is caught).
+    """
+    world = c10d._world
+    name = str(world.group_count)
+    world.group_count += 1
+    pg._set_group_name(name)
+    pg._set_group_desc("default_pg")
+    if backend not in _BACKEND_CONFIGS:
+        _BACKEND_CONFIGS[backend] = str(c10d.BackendConfig(dist.Backend(backend)))
+    world.pg_map[pg] = (backend, store)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = _BACKEND_CONFIGS[backend]
+    torch._C._distributed_c10d._register_process_group(name, pg)
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault("", []).append(pg)
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.pg_to_tag[pg] = tag
+    world.default_pg = pg
+    world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+
+
+def default_group_store(store: dist.Store) -> dist.Store:
+    """The store c10d records for a default group made by ``init_process_group(store=store)``."""
+    return dist.PrefixStore("0/", dist.PrefixStore("default_pg", store))
+
+
+def forget_groups() -> None:
+    """Drop this rank thread's process groups (the world's end; no collective is left to run)."""
+    torch._C._distributed_c10d._unregister_all_process_groups()
+    worlds = c10d._world
+    if isinstance(worlds, _ThreadWorlds) and getattr(worlds._local, "world", None) is not None:
+        worlds._local.world = _RankWorld()
+
+
+def c10d_globals() -> tuple[Any, Any]:
+    """Module globals ``init_process_group`` sets and nothing resets."""
+    return c10d._backend, c10d._default_pg_init_method
+
+
+def restore_c10d_globals(saved: tuple[Any, Any]) -> None:
+    c10d._backend, c10d._default_pg_init_method = saved
 
 
 def reduce_op_value(reduce_op: Any) -> int:

@@ -22,8 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsim import _torch_private
-from meshsim._backend import BACKEND_NAME, RankContext, bind_rank, create_process_group
+from meshsim import _patches, _torch_private
+from meshsim._backend import (
+    BACKEND_NAME,
+    RankContext,
+    bind_rank,
+    create_process_group,
+    default_process_group,
+)
 from meshsim._errors import (
     CollectiveMismatchError,
     DeadlockError,
@@ -149,6 +155,7 @@ class _World:
         self.states: list[RankState] = []
         self.threads: list[threading.Thread] = []
         self.store: dist.Store | None = None
+        self.group_store: dist.Store | None = None
         self.stuck: list[int] = []
         self.cpu: int | None = None
 
@@ -156,7 +163,7 @@ class _World:
 
     def run(self) -> list[Any]:
         saved = ProcessState.capture()
-        with _torch_private.process_global_patches(BACKEND_NAME, create_process_group):
+        with _patches.process_global_patches(BACKEND_NAME, create_process_group):
             try:
                 self._start()
                 self._supervise()
@@ -170,6 +177,12 @@ class _World:
 
     def _start(self) -> None:
         self.store = dist.HashStore()
+        self.group_store = _torch_private.default_group_store(self.store)
+        if self.num_threads is not None:
+            # Threads take the intra-op thread count last set anywhere in the process;
+            # setting it here (ProcessState restores the caller's) spares each rank
+            # thread OpenMP's ~100 us per-thread start-up until it runs a torch op.
+            torch.set_num_threads(self.num_threads)
         self.cpu = _current_cpu() if self.scheduler.serialize else None
         if self.scheduler.serialize:
             initial = torch.get_rng_state()
@@ -182,6 +195,7 @@ class _World:
             )
             self.threads.append(thread)
             thread.start()
+        self.scheduler.begin()
 
     def _supervise(self) -> None:
         poll = min(0.05, self.timeout / 10)
@@ -226,15 +240,14 @@ class _World:
 
     def _rank_main(self, rank: int) -> None:
         try:
-            with _torch_private.rank_thread(gpu_paths=self.gpu_paths):
+            with _patches.rank_thread(gpu_paths=self.gpu_paths):
                 self._rank_body(rank)
         except WorldAborted:
             pass  # interrupted while leaving; the world already failed
 
     def _rank_body(self, rank: int) -> None:
-        bind_rank(RankContext(rank, self.world_size, self.scheduler, self.rendezvous))
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)
+        context = RankContext(rank, self.world_size, self.scheduler, self.rendezvous)
+        bind_rank(context)
         if self.cpu is not None:
             # Serialized ranks never run at once, so one core loses nothing, and
             # keeps torch's per-thread state warm in one cache across hand-overs
@@ -249,7 +262,7 @@ class _World:
                 # on gloo, tearing down closes sockets, and the peers' resulting
                 # errors must not be mistaken for the first failure.
                 try:
-                    self._init_process_group(rank)
+                    self._init_process_group(context)
                     self.results[rank] = self.fn(*self.args, **self.kwargs)
                 except WorldAborted:
                     outcome = "stopped: the world failed"
@@ -257,24 +270,33 @@ class _World:
                     outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
                     self._rank_failed(rank, exc)
                 finally:
-                    _destroy_process_groups()
+                    self._destroy_process_groups()
         except WorldAborted:
             outcome = "stopped: the world failed"
         finally:
             bind_rank(None)
             self.scheduler.finish(rank, outcome)
 
-    def _init_process_group(self, rank: int) -> None:
+    def _init_process_group(self, context: RankContext) -> None:
         if self.backend == "sim":
-            dist.init_process_group(BACKEND_NAME, rank=rank, world_size=self.world_size, store=self.store)
+            assert self.group_store is not None
+            pg = default_process_group(context)
+            _torch_private.install_default_group(pg, BACKEND_NAME, self.group_store)
             return
         dist.init_process_group(
             "gloo",
-            rank=rank,
+            rank=context.rank,
             world_size=self.world_size,
             store=self.store,
             timeout=datetime.timedelta(seconds=self.timeout),
         )
+
+    def _destroy_process_groups(self) -> None:
+        """Tear down this rank thread's c10d state (a no-op if the user already did)."""
+        if self.backend == "sim":
+            _torch_private.forget_groups()  # nothing to shut down: buffers are the world's
+        elif dist.is_initialized():
+            dist.destroy_process_group()
 
     def _rank_failed(self, rank: int, exc: BaseException) -> None:
         if isinstance(exc, (CollectiveMismatchError, DeadlockError)):
@@ -299,12 +321,6 @@ def _format_user_traceback(exc: BaseException) -> str:
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def _destroy_process_groups() -> None:
-    """Tear down this rank thread's c10d state (a no-op if the user already did)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _current_cpu() -> int | None:

@@ -63,3 +63,45 @@ def test_dropout_under_replicated_params_differs_per_rank_as_in_processes() -> N
         (torch.manual_seed(0), torch.ones(16))[1], p=0.5
     ).tolist()
     assert results[0] != results[1]
+
+
+def test_python_random_and_numpy_are_per_rank_too() -> None:
+    import random
+
+    import numpy as np
+
+    def body() -> tuple[list[float], list[float]]:
+        rank = dist.get_rank()
+        random.seed(rank)
+        np.random.seed(rank)
+        py, npy = [], []
+        for _ in range(3):
+            py.append(random.random())
+            npy.append(float(np.random.rand()))
+            dist.barrier()
+        return py, npy
+
+    before_py, before_np = random.getstate(), np.random.get_state()
+    results = meshsim.run(body, 3)
+    for rank, (py, npy) in enumerate(results):
+        ref_py, ref_np = random.Random(rank), np.random.RandomState(rank)
+        assert py == [ref_py.random() for _ in range(3)]
+        assert npy == [float(ref_np.rand()) for _ in range(3)]
+    assert random.getstate() == before_py
+    after_np = np.random.get_state()
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(before_np, after_np))
+
+
+def test_unseeded_python_random_starts_from_the_callers_state() -> None:
+    import random
+
+    random.seed(11)
+    expected = random.random()
+    random.seed(11)
+
+    def body() -> float:
+        dist.barrier()
+        return random.random()
+
+    assert meshsim.run(body, 2) == [expected, expected]
+    assert random.random() == expected  # the caller's generator did not move

@@ -1,0 +1,93 @@
+"""The process-global changes a running world needs, installed by the first world and removed by the last.
+
+Reference counted, so worlds may overlap (worlds started from several threads),
+and a process that never runs a world is never touched. Each change is undone
+where it is made: here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from meshsim import _rng, _torch_private
+
+__all__ = ["process_global_patches", "rank_thread"]
+
+
+class _Patches:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: dict[str, Any] = {}
+        self.worlds: Any = None
+
+    def acquire(self, backend_name: str, creator: Callable[..., Any]) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._install(backend_name, creator)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._uninstall()
+
+    def _install(self, backend_name: str, creator: Callable[..., Any]) -> None:
+        tp, saved = _torch_private, self._saved
+        self.worlds = tp.install_thread_worlds()
+        saved["autograd threads"] = tp.disable_autograd_threads()
+        saved["mesh init"] = tp.patch_device_mesh()
+        saved["a2a"] = tp.patch_dtensor_cpu_alltoall()
+        saved["backend"] = tp.register_backend(backend_name, creator)
+        saved["rng"] = _rng.install()
+
+    def _uninstall(self) -> None:
+        tp, saved = _torch_private, self._saved
+        _rng.uninstall(saved["rng"])
+        tp.unregister_backend(saved["backend"])
+        tp.unpatch_dtensor_cpu_alltoall(saved["a2a"])
+        tp.unpatch_device_mesh(saved["mesh init"])
+        tp.restore_autograd_threads(saved["autograd threads"])
+        tp.uninstall_thread_worlds(self.worlds)
+        tp.clear_dtensor_caches()
+        self.worlds = None
+        saved.clear()
+
+
+_PATCHES = _Patches()
+
+
+@contextmanager
+def process_global_patches(backend_name: str, creator: Callable[..., Any]) -> Iterator[None]:
+    """Install what a world needs, with its c10d backend, for the block.
+
+    Every world passes the same ``backend_name`` and ``creator``: the creator finds
+    its world through the calling rank thread.
+    """
+    _PATCHES.acquire(backend_name, creator)
+    try:
+        yield
+    finally:
+        _PATCHES.release()
+
+
+@contextmanager
+def rank_thread(*, gpu_paths: bool) -> Iterator[None]:
+    """Make the calling thread a rank: its own c10d world, RNGs and mesh identity.
+
+    Must run inside :func:`process_global_patches`.
+    """
+    worlds = _PATCHES.worlds
+    if worlds is None:
+        raise RuntimeError("meshsim internal error: rank_thread() outside a world")
+    _torch_private.enter_rank_thread(worlds, gpu_paths=gpu_paths)
+    _rng.enter_rank()
+    try:
+        yield
+    finally:
+        _rng.leave_rank()
+        _torch_private.leave_rank_thread(worlds)

@@ -1,0 +1,107 @@
+"""Per-rank Python ``random`` and NumPy legacy global RNGs for rank threads.
+
+``random.seed``, ``random.random``, ``numpy.random.seed``, ``numpy.random.rand``
+... are module-level functions bound to one process-wide generator. While a
+world runs they are replaced by functions that use the calling rank's own
+generator (a copy of the caller's state when the rank first draws, as after a
+fork), and the caller's generator is left untouched. Threads that are not
+ranks keep using the process-wide generators. The replacements are removed
+when the world ends.
+
+Code that took a reference before the world (``from random import random``)
+bypasses this; torch's own RNG is swapped per rank by the scheduler instead
+(see :mod:`meshsim._state`).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["install", "uninstall"]
+
+_local = threading.local()
+_NUMPY_ALIASES = {"seed": "seed", "sample": "random_sample", "ranf": "random_sample"}
+
+
+def _python_names() -> list[str]:
+    inst = random._inst  # type: ignore[attr-defined]
+    return [n for n in dir(random) if not n.startswith("_") and getattr(getattr(random, n), "__self__", None) is inst]
+
+
+def _numpy_names(nprandom: Any) -> dict[str, str]:
+    state = nprandom.mtrand._rand
+    names = {
+        n: n
+        for n in dir(nprandom)
+        if not n.startswith("_") and getattr(getattr(nprandom, n), "__self__", None) is state
+    }
+    names.update({k: v for k, v in _NUMPY_ALIASES.items() if hasattr(nprandom, k)})
+    return names
+
+
+def _python_generator() -> Any:
+    gen = getattr(_local, "python", None)
+    if gen is None:
+        gen = random.Random()
+        gen.setstate(random._inst.getstate())  # type: ignore[attr-defined]
+        _local.python = gen
+    return gen
+
+
+def _numpy_generator(nprandom: Any) -> Any:
+    gen = getattr(_local, "numpy", None)
+    if gen is None:
+        gen = nprandom.RandomState()
+        gen.set_state(nprandom.mtrand._rand.get_state())
+        _local.numpy = gen
+    return gen
+
+
+def _router(original: Callable[..., Any], method: str, pick: Callable[[], Any]) -> Callable[..., Any]:
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(_local, "is_rank", False):
+            return original(*args, **kwargs)
+        return getattr(pick(), method)(*args, **kwargs)
+
+    routed.__name__ = getattr(original, "__name__", method)
+    routed.__doc__ = getattr(original, "__doc__", None)
+    routed.__wrapped__ = original  # type: ignore[attr-defined]
+    return routed
+
+
+def install() -> list[tuple[Any, str, Any]]:
+    """Route the module-level RNG functions per rank; returns what :func:`uninstall` restores."""
+    saved: list[tuple[Any, str, Any]] = []
+    for name in _python_names():
+        original = getattr(random, name)
+        saved.append((random, name, original))
+        setattr(random, name, _router(original, name, _python_generator))
+    nprandom = sys.modules.get("numpy.random")
+    if nprandom is not None:
+        for name, method in _numpy_names(nprandom).items():
+            original = getattr(nprandom, name)
+            saved.append((nprandom, name, original))
+            setattr(nprandom, name, _router(original, method, lambda: _numpy_generator(nprandom)))
+    return saved
+
+
+def uninstall(saved: list[tuple[Any, str, Any]]) -> None:
+    for module, name, original in reversed(saved):
+        setattr(module, name, original)
+
+
+def enter_rank() -> None:
+    """Give the calling thread its own generators (created on first draw)."""
+    _local.is_rank = True
+    _local.python = None
+    _local.numpy = None
+
+
+def leave_rank() -> None:
+    _local.is_rank = False
+    _local.python = None
+    _local.numpy = None
