@@ -34,6 +34,7 @@ __all__ = [
     "SimProcessGroup",
     "bind_rank",
     "create_process_group",
+    "current_rank",
     "default_process_group",
 ]
 
@@ -57,6 +58,12 @@ _local = threading.local()
 def bind_rank(context: RankContext | None) -> None:
     """Make ``context`` the calling thread's world for groups it creates."""
     _local.context = context
+
+
+def current_rank() -> int | None:
+    """The global rank of the calling thread, or None outside a simulated rank."""
+    context: RankContext | None = getattr(_local, "context", None)
+    return None if context is None else context.rank
 
 
 def create_process_group(opts: Any, backend_options: Any) -> SimProcessGroup:

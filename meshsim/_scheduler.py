@@ -117,6 +117,8 @@ class Scheduler:
             if self.serialize and self._holder is None and self._state[0] == _READY:
                 self._holder = 0
                 self._signal(0)
+            # free-running ranks may already have blocked or finished
+            self._check_deadlock()
         finally:
             self._unlock()
 

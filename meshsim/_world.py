@@ -28,6 +28,7 @@ from meshsim._backend import (
     RankContext,
     bind_rank,
     create_process_group,
+    current_rank,
     default_process_group,
 )
 from meshsim._errors import (
@@ -41,6 +42,7 @@ from meshsim._recorder import DispatchRecorder
 from meshsim._rendezvous import Rendezvous
 from meshsim._scheduler import Scheduler
 from meshsim._state import ProcessState, RankState
+from meshsim._store import SimStore
 
 __all__ = ["run"]
 
@@ -176,7 +178,7 @@ class _World:
         return self._outcome()
 
     def _start(self) -> None:
-        self.store = dist.HashStore()
+        self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else dist.HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
         if self.num_threads is not None:
             # Threads take the intra-op thread count last set anywhere in the process;
