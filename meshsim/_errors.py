@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Mapping, Sequence
 
 __all__ = [
     "CollectiveMismatchError",
+    "format_user_traceback",
     "DeadlockError",
     "MeshError",
     "RankError",
@@ -129,3 +132,14 @@ class WorldAborted(BaseException):
     Exception`` cannot swallow it and carry on against a dead world. It never
     escapes :func:`meshsim.run`.
     """
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def format_user_traceback(exc: BaseException) -> str:
+    """A rank's traceback, starting at the user's code rather than at meshsim's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))

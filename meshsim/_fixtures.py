@@ -106,11 +106,16 @@ def resolve(values: dict[str, Any], fixtures: RankFixtures) -> dict[str, Any]:
     return {k: v.build(fixtures) if isinstance(v, PerRank) else v for k, v in values.items()}
 
 
+def _mesh_builder(fixtures: RankFixtures) -> Callable[..., Any]:
+    return fixtures.make_mesh
+
+
+# Module-level functions only: spawned ranks receive these placeholders pickled.
 PLACEHOLDERS: dict[str, PerRank] = {
     "rank": PerRank("rank", RankFixtures.rank),
     "world_size": PerRank("world_size", RankFixtures.world_size),
     "distributed_mesh": PerRank("distributed_mesh", RankFixtures.distributed_mesh),
     "distributed_mesh_2d": PerRank("distributed_mesh_2d", RankFixtures.distributed_mesh_2d),
-    "make_mesh": PerRank("make_mesh", lambda f: f.make_mesh),
+    "make_mesh": PerRank("make_mesh", _mesh_builder),
     "ledger": PerRank("ledger", RankFixtures.open_ledger),
 }

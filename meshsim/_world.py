@@ -33,6 +33,7 @@ from meshsim._backend import (
 )
 from meshsim._errors import (
     CollectiveMismatchError,
+    format_user_traceback,
     DeadlockError,
     MeshError,
     RankError,
@@ -47,7 +48,6 @@ from meshsim._store import SimStore
 __all__ = ["run"]
 
 BACKENDS = ("sim", "gloo")
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
 
 
@@ -306,7 +306,7 @@ class _World:
             return
         if self.scheduler.error is not None:
             return  # a consequence of the failure that stopped the world (gloo peers see closed sockets)
-        text = _format_user_traceback(exc)
+        text = format_user_traceback(exc)
         self.failures.append((rank, exc, text))
         self.scheduler.abort(RankError(rank, self.world_size, text))
 
@@ -315,14 +315,6 @@ class _World:
 
     def _switch_in(self, rank: int) -> None:
         self.states[rank].load()
-
-
-def _format_user_traceback(exc: BaseException) -> str:
-    """The rank's traceback, starting at the user's function rather than at meshsim's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _current_cpu() -> int | None:

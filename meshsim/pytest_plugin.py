@@ -243,9 +243,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     backend = spec.backend or state.backend
     size = _size(pyfuncitem, spec)
     if backend == "spawn":
-        from meshsim._spawn import run_in_processes
+        from meshsim._spawn import TestTarget, run_in_processes
 
-        run_in_processes(pyfuncitem.nodeid, size, timeout=state.timeout, config=pyfuncitem.config)
+        target = TestTarget(pyfuncitem.module.__name__, str(pyfuncitem.path), test.__qualname__)
+        run_in_processes(target, funcargs, size, timeout=state.timeout)
         return True
     from meshsim._modes import run_on_threads
 
@@ -267,10 +268,11 @@ def _mesh_failure(error: BaseException) -> str | None:
     """The report for a meshsim error: the failing rank's own traceback or the per-rank table."""
     from meshsim._errors import MeshError, RankError
 
+    notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", []))
     if isinstance(error, RankError):
-        return f"{error}"
+        return f"{error}{notes}"
     if isinstance(error, MeshError):
-        return f"{type(error).__name__}: {error}"
+        return f"{type(error).__name__}: {error}{notes}"
     return None
 
 
