@@ -115,7 +115,7 @@ def main() -> None:
     table: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(rounds):
         for ws in sizes:
-            for op, fn in _ops(iters).items():
+            for op in _ops(iters):
                 for name, runner in runners.items():
                     n = iters if name != "meshsim gloo" else max(10, iters // 10)
                     per_call = max(runner(_ops(n)[op], ws))
@@ -127,7 +127,9 @@ def main() -> None:
     _big_world()
 
 
-def _print(table: dict[tuple[str, str, int], list[float]], runners: dict[str, object], sizes: tuple[int, ...]) -> None:
+def _print(
+    table: dict[tuple[str, str, int], list[float]], runners: dict[str, object], sizes: tuple[int, ...]
+) -> None:
     names = list(runners)
     header = f"{'operation':24} {'ws':>3} " + " ".join(f"{n:>16}" for n in names) + f" {'threaded/sim':>13}"
     print("median microseconds per call (per world for setup+teardown), 1 KiB float32")

@@ -230,9 +230,7 @@ class SimProcessGroup(dist.ProcessGroup):
         if _ledger.is_recording():
             peer = ranks[root] if root is not None else None
             dtype, bytes_in, bytes_out = ledger()
-            _ledger.append(
-                Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer)
-            )
+            _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
         call = Call(self._group_rank, op, signature, describe, site, payload, execute, compat)
         context = self._context
         slot = context.rendezvous.arrive(self._group, seq, call)
@@ -247,9 +245,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _check_root(self, root: int, api: str) -> None:
         if not 0 <= root < self._group.size:
-            raise ValueError(
-                f"{api}: root rank {root} is not a rank of this {self._group.size}-rank group"
-            )
+            raise ValueError(f"{api}: root rank {root} is not a rank of this {self._group.size}-rank group")
 
     # -- reductions -------------------------------------------------------------
 
@@ -296,7 +292,9 @@ class SimProcessGroup(dist.ProcessGroup):
             result=tensors,
         )
 
-    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:
+    def reduce_scatter(
+        self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
+    ) -> dist.Work:
         outputs, input_lists = list(outputs), [list(x) for x in input_lists]
         op, factor = _reduce_op(opts)
         self._check_reduce(op, outputs, "reduce_scatter")
@@ -320,13 +318,17 @@ class SimProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> dist.Work:
         api = "reduce_scatter_tensor" if len(outputs) == 1 else "reduce_scatter_tensor_coalesced"
         return self._reduce_scatter_tensor(list(outputs), list(inputs), opts, api)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def _reduce_scatter_tensor(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, api: str) -> dist.Work:
+    def _reduce_scatter_tensor(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, api: str
+    ) -> dist.Work:
         op, factor = _reduce_op(opts)
         self._check_reduce(op, inputs, api)
         self._check_sized(outputs, inputs, api, "input", "output")
@@ -344,11 +346,15 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- gathers ------------------------------------------------------------------
 
-    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+    def allgather(
+        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+    ) -> dist.Work:
         output_lists, inputs = [list(x) for x in output_lists], list(inputs)
         return self._all_gather(output_lists, inputs, "all_gather")
 
-    def allgather_coalesced(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+    def allgather_coalesced(
+        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+    ) -> dist.Work:
         # c10d's all_gather_coalesced passes one list per rank, each with every input;
         # regroup to one list per input, each with every rank, as allgather takes.
         per_input = [[rank_list[j] for rank_list in output_lists] for j in range(len(inputs))]
@@ -374,7 +380,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+    def all_gather_single_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> dist.Work:
         api = "all_gather_into_tensor" if len(outputs) == 1 else "all_gather_into_tensor_coalesced"
         return self._all_gather_into_tensor(list(outputs), list(inputs), api)
 
@@ -466,7 +474,9 @@ class SimProcessGroup(dist.ProcessGroup):
             op="all_to_all",
             api="all_to_all_single",
             signature=(input.dtype, output.dtype),
-            describe=lambda: f"all_to_all_single({_desc(input)} split {in_splits} -> {_desc(output)} split {out_splits})",
+            describe=lambda: (
+                f"all_to_all_single({_desc(input)} split {in_splits} -> {_desc(output)} split {out_splits})"
+            ),
             payload=(output, input, out_splits, in_splits),
             execute=_ops.all_to_all_single,
             compat=_ops.all_to_all_single_compat if size > 1 else None,
@@ -576,10 +586,14 @@ class SimProcessGroup(dist.ProcessGroup):
                     f"{size}-rank group, got {len(lst)}"
                 )
 
-    def _check_sized(self, small: list[Tensor], big: list[Tensor], api: str, big_name: str, small_name: str) -> None:
+    def _check_sized(
+        self, small: list[Tensor], big: list[Tensor], api: str, big_name: str, small_name: str
+    ) -> None:
         size = self._group.size
         if len(small) != len(big):
-            raise ValueError(f"{api}: got {len(big)} {big_name} tensors for {len(small)} {small_name} tensors")
+            raise ValueError(
+                f"{api}: got {len(big)} {big_name} tensors for {len(small)} {small_name} tensors"
+            )
         for s, b in zip(small, big):
             if b.numel() != s.numel() * size:
                 raise ValueError(
@@ -590,7 +604,9 @@ class SimProcessGroup(dist.ProcessGroup):
             if not b.is_contiguous():
                 raise ValueError(f"{api}: the {big_name} tensor must be contiguous")
             if b.dtype != s.dtype:
-                raise ValueError(f"{api}: {big_name} dtype {b.dtype} differs from {small_name} dtype {s.dtype}")
+                raise ValueError(
+                    f"{api}: {big_name} dtype {b.dtype} differs from {small_name} dtype {s.dtype}"
+                )
 
     def _check_rooted(self, lst: list[Tensor] | None, root: int, single: Tensor, api: str, name: str) -> None:
         if self._group_rank == root:

@@ -44,8 +44,7 @@ class RankError(MeshError):
         others = [r for r, _ in self.failures if r != rank]
         also = f" (ranks {', '.join(map(str, others))} raised too)" if others else ""
         super().__init__(
-            f"rank {rank} of {world_size} raised{also}; its traceback:\n"
-            f"{rank_traceback.rstrip()}"
+            f"rank {rank} of {world_size} raised{also}; its traceback:\n{rank_traceback.rstrip()}"
         )
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -48,9 +48,7 @@ def check_reduce_dtype(op: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def reduce(
-    tensors: Sequence[Tensor], op: str, factors: Sequence[float | Tensor] | None = None
-) -> Tensor:
+def reduce(tensors: Sequence[Tensor], op: str, factors: Sequence[float | Tensor] | None = None) -> Tensor:
     """Reduce equally shaped tensors elementwise; the result has their dtype.
 
     Floating point sums and means accumulate in at least float32 and round
@@ -121,9 +119,7 @@ def split_sizes(dim0: int, splits: Sequence[int], parts: int) -> list[int]:
     return [dim0 // parts] * parts
 
 
-def all_to_all_single(
-    inputs: Sequence[Tensor], input_splits: Sequence[Sequence[int]]
-) -> list[Tensor]:
+def all_to_all_single(inputs: Sequence[Tensor], input_splits: Sequence[Sequence[int]]) -> list[Tensor]:
     """Rank ``r`` receives, in sender order, the ``r``-th dim-0 piece of every input."""
     pieces = [list(t.split(list(s), dim=0)) for t, s in zip(inputs, input_splits)]
     return [torch.cat([pieces[src][dst] for src in range(len(inputs))]) for dst in range(len(inputs))]

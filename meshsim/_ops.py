@@ -49,8 +49,7 @@ def all_reduce(calls: Sequence[Call]) -> None:
     op = calls[0].payload[1]
     factors = [c.payload[2] for c in calls]
     results = [
-        mv.reduce([c.payload[0][i] for c in calls], op, factors)
-        for i in range(len(calls[0].payload[0]))
+        mv.reduce([c.payload[0][i] for c in calls], op, factors) for i in range(len(calls[0].payload[0]))
     ]
     for c in calls:
         for out, result in zip(c.payload[0], results):

@@ -275,9 +275,7 @@ class DispatchRecorder(TorchDispatchMode):
             return
         _ledger.append(self._collective(seen, ranks, me, seq, site))
 
-    def _collective(
-        self, seen: _Seen, ranks: tuple[int, ...], me: int, seq: int, site: str
-    ) -> Collective:
+    def _collective(self, seen: _Seen, ranks: tuple[int, ...], me: int, seq: int, site: str) -> Collective:
         bytes_in, bytes_out = _nbytes(seen.tensors_in), _nbytes(seen.tensors_out)
         other = seen.root if seen.root is not None else seen.peer
         peer = None if other is None or other < 0 else ranks[other]
@@ -286,7 +284,9 @@ class DispatchRecorder(TorchDispatchMode):
         tensors = list(seen.tensors_in) or list(seen.tensors_out)
         dtypes = {t.dtype for t in tensors}
         dtype = dtypes.pop() if len(dtypes) == 1 else None
-        return Collective(seen.op, seen.api, ranks, dtype, bytes_in, bytes_out, seen.reduce_op, seq, site, peer)
+        return Collective(
+            seen.op, seen.api, ranks, dtype, bytes_in, bytes_out, seen.reduce_op, seq, site, peer
+        )
 
     def _group(self, group: Any) -> tuple[str, tuple[int, ...], int]:
         pg = _torch_private.as_process_group(group)

@@ -131,9 +131,7 @@ class Slot(Waitable):
     def _where(self) -> str:
         return f"call #{self.seq} of {self.group.label()}"
 
-    def _mismatch_error(
-        self, headline: str, problems: Sequence[Problem] = ()
-    ) -> CollectiveMismatchError:
+    def _mismatch_error(self, headline: str, problems: Sequence[Problem] = ()) -> CollectiveMismatchError:
         ranks = self.group.ranks
         texts = {ranks[i]: c.text for i, c in enumerate(self.calls) if c is not None}
         if problems:
@@ -152,11 +150,14 @@ class Slot(Waitable):
         details = "".join(f"\n  - {_global(p.text, ranks)}" for p in problems)
         if odd:
             plural = len(odd) > 1
-            differs = f"Rank{'s' if plural else ''} {_ranks(odd)} differ{'' if plural else 's'} from the others. "
+            differs = (
+                f"Rank{'s' if plural else ''} {_ranks(odd)} differ{'' if plural else 's'} from the others. "
+            )
         else:
             differs = ""
         message = (
-            f"{headline} in {self._where()}:\n" + "\n".join(rows)
+            f"{headline} in {self._where()}:\n"
+            + "\n".join(rows)
             + (f"\nWhat does not fit:{details}" if details else "")
             + f"\n{differs}{_ADVICE}"
         )

@@ -29,7 +29,11 @@ _NUMPY_ALIASES = {"seed": "seed", "sample": "random_sample", "ranf": "random_sam
 
 def _python_names() -> list[str]:
     inst = random._inst  # type: ignore[attr-defined]
-    return [n for n in dir(random) if not n.startswith("_") and getattr(getattr(random, n), "__self__", None) is inst]
+    return [
+        n
+        for n in dir(random)
+        if not n.startswith("_") and getattr(getattr(random, n), "__self__", None) is inst
+    ]
 
 
 def _numpy_names(nprandom: Any) -> dict[str, str]:

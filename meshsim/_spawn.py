@@ -68,7 +68,14 @@ def run_in_processes(
     from filelock import FileLock
 
     with FileLock(_LOCK_PATH, timeout=timeout):
-        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size + 1,
+            True,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
     context = multiprocessing.get_context("spawn")
     children, pipes = [], []
     for rank in range(world_size):

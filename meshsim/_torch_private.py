@@ -86,7 +86,7 @@ _TOKENS = itertools.count(1)
 
 
 def install_thread_worlds() -> _ThreadWorlds:
-    """Replace ``c10d._world`` with a per-thread view (returns the view; see :func:`uninstall_thread_worlds`)."""
+    """Replace ``c10d._world`` with a per-thread view; returns it for :func:`uninstall_thread_worlds`."""
     worlds = _ThreadWorlds(c10d._world)
     c10d._world = worlds
     # Funcol and DTensor find groups by name in a C++ registry; per-thread

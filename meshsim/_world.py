@@ -15,7 +15,6 @@ import math
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,11 +32,11 @@ from meshsim._backend import (
 )
 from meshsim._errors import (
     CollectiveMismatchError,
-    format_user_traceback,
     DeadlockError,
     MeshError,
     RankError,
     WorldAborted,
+    format_user_traceback,
 )
 from meshsim._recorder import DispatchRecorder
 from meshsim._rendezvous import Rendezvous
@@ -111,20 +110,25 @@ def run(
     return world.run()
 
 
-def _check_args(
-    fn: Any, world_size: Any, timeout: Any, backend: Any, num_threads: Any
-) -> None:
+def _check_args(fn: Any, world_size: Any, timeout: Any, backend: Any, num_threads: Any) -> None:
     if not callable(fn):
         raise TypeError(f"run() needs a callable to run on every rank, got {fn!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not timeout > 0
+        or math.isinf(timeout)
+    ):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+    if num_threads is not None and (
+        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    ):
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
 
 
@@ -331,6 +335,4 @@ def _current_cpu() -> int | None:
 def _interrupt(idents: Sequence[int]) -> None:
     """Raise :class:`WorldAborted` in threads running Python code (CPython only)."""
     for ident in idents:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(ident), ctypes.py_object(WorldAborted)
-        )
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(WorldAborted))

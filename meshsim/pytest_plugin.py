@@ -66,7 +66,9 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise pytest.UsageError(f"--mesh-timeout must be a positive number of seconds, got {text!r}") from None
+        raise pytest.UsageError(
+            f"--mesh-timeout must be a positive number of seconds, got {text!r}"
+        ) from None
     if not value > 0:
         raise pytest.UsageError(f"--mesh-timeout must be a positive number of seconds, got {text!r}")
     return value
@@ -181,17 +183,22 @@ def _spec(item: pytest.Item) -> WorldSpec | None:
 
 
 def _world_spec(marker: pytest.Mark, config: pytest.Config) -> WorldSpec:
+    """The marker's sizes and backend; a bad marker fails its test's collection with a clear message."""
     sizes = marker.args
     unknown = set(marker.kwargs) - {"backend"}
     if unknown:
-        raise pytest.UsageError(f"@pytest.mark.world takes sizes and backend=..., got {sorted(unknown)}")
+        raise pytest.Collector.CollectError(
+            f"@pytest.mark.world takes sizes and backend=..., got {sorted(unknown)}"
+        )
     if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
-        raise pytest.UsageError(
+        raise pytest.Collector.CollectError(
             f"@pytest.mark.world needs one or more positive int world sizes, got {sizes!r}"
         )
     backend = marker.kwargs.get("backend")
     if backend is not None and backend not in BACKENDS:
-        raise pytest.UsageError(f"@pytest.mark.world(backend=...) must be one of {BACKENDS}, got {backend!r}")
+        raise pytest.Collector.CollectError(
+            f"@pytest.mark.world(backend=...) must be one of {BACKENDS}, got {backend!r}"
+        )
     return WorldSpec(tuple(sizes), backend)
 
 
@@ -281,9 +288,10 @@ def _placeholder(request: pytest.FixtureRequest, name: str) -> Any:
 
     state = request.config.stash[_STATE]
     if _spec(request.node) is None and state.static is None:
-        raise pytest.UsageError(
+        pytest.fail(
             f"fixture {name!r} is per rank; mark the test with @pytest.mark.world(n) "
-            "(or @pytest.mark.multigpu_static) to run it on n ranks"
+            "(or @pytest.mark.multigpu_static) to run it on n ranks",
+            pytrace=False,
         )
     return PLACEHOLDERS[name]
 

@@ -56,7 +56,13 @@ def reference_reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
     if dtype == torch.bool and op in ("SUM", "PRODUCT", "MIN", "MAX"):
         op = {"SUM": "BOR", "MAX": "BOR", "PRODUCT": "BAND", "MIN": "BAND"}[op]
     if op == "AVG":
-        return (functools.reduce(operator.add, [t.to(torch.float64) if not t.is_complex() else t.to(torch.complex128) for t in tensors]) / len(tensors)).to(dtype)
+        return (
+            functools.reduce(
+                operator.add,
+                [t.to(torch.float64) if not t.is_complex() else t.to(torch.complex128) for t in tensors],
+            )
+            / len(tensors)
+        ).to(dtype)
     wide = [t.to(torch.float64) if dtype in (torch.bfloat16, torch.float16) else t for t in tensors]
     return functools.reduce(_ELEMENTWISE[op], wide).to(dtype)
 
@@ -101,7 +107,7 @@ def test_all_reduce_every_dtype_and_op(case: tuple[torch.dtype, str]) -> None:
         check(result, expected)
 
 
-@pytest.mark.parametrize("dtype", FLOATS + [torch.complex64], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", [*FLOATS, torch.complex64], ids=lambda d: str(d).removeprefix("torch."))
 def test_all_reduce_premul_sum_scales_each_rank_by_its_own_factor(dtype: torch.dtype) -> None:
     def body() -> torch.Tensor:
         rank = dist.get_rank()
@@ -244,14 +250,17 @@ def test_all_to_all_even_uneven_and_list() -> None:
 
     results = meshsim.run(body, WS)
     for rank, (even, uneven, got) in enumerate(results):
-        want_even = torch.cat([torch.arange(2 * WS, dtype=torch.float32)[2 * rank : 2 * rank + 2] + 100 * s for s in range(WS)])
+        want_even = torch.cat(
+            [torch.arange(2 * WS, dtype=torch.float32)[2 * rank : 2 * rank + 2] + 100 * s for s in range(WS)]
+        )
         check(even, want_even)
         starts = [sum(d + 1 for d in range(rank))] * WS
         want_uneven = torch.cat(
             [
-                (torch.arange(sum(d + 1 for d in range(WS)) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * s)[
-                    starts[s] : starts[s] + rank + 1
-                ]
+                (
+                    torch.arange(sum(d + 1 for d in range(WS)) * 2, dtype=torch.float32).reshape(-1, 2)
+                    + 100 * s
+                )[starts[s] : starts[s] + rank + 1]
                 for s in range(WS)
             ]
         )
@@ -366,7 +375,9 @@ def test_functional_collectives() -> None:
         gathered = funcol.all_gather_tensor(x, 0, group).wait()
         reduced = funcol.all_reduce(x, "sum", group).wait()
         scattered = funcol.reduce_scatter_tensor(torch.arange(3.0 * WS), "sum", 0, group).wait()
-        swapped = funcol.all_to_all_single(torch.arange(float(WS)) + 10 * rank, [1] * WS, [1] * WS, group).wait()
+        swapped = funcol.all_to_all_single(
+            torch.arange(float(WS)) + 10 * rank, [1] * WS, [1] * WS, group
+        ).wait()
         broadcast = funcol.broadcast(x, 1, group).wait()
         return [gathered, reduced, scattered, swapped, broadcast]
 
@@ -391,7 +402,13 @@ def test_new_group_and_meshes_with_sub_groups() -> None:
         mesh2 = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
         mesh3 = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
         sums = {}
-        for name, mesh in (("dp", mesh2["dp"]), ("tp", mesh2["tp"]), ("a", mesh3["a"]), ("b", mesh3["b"]), ("c", mesh3["c"])):
+        for name, mesh in (
+            ("dp", mesh2["dp"]),
+            ("tp", mesh2["tp"]),
+            ("a", mesh3["a"]),
+            ("b", mesh3["b"]),
+            ("c", mesh3["c"]),
+        ):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=mesh.get_group())
             sums[name] = (t.item(), tuple(dist.get_process_group_ranks(mesh.get_group())))
@@ -415,7 +432,9 @@ def test_world_sizes_and_rank_identity(world_size: int) -> None:
 
         return dist.get_rank(), dist.get_world_size(), os.environ["RANK"], os.environ["WORLD_SIZE"]
 
-    assert meshsim.run(body, world_size) == [(r, world_size, str(r), str(world_size)) for r in range(world_size)]
+    assert meshsim.run(body, world_size) == [
+        (r, world_size, str(r), str(world_size)) for r in range(world_size)
+    ]
 
 
 def test_256_ranks_all_reduce() -> None:

@@ -82,7 +82,16 @@ def test_1d_placements_forward_and_backward() -> None:
         return results
 
     for result in meshsim.run(body, 2):
-        assert result == [{"all_gather": 1}, True, True, {"all_reduce": 1, "reduce_scatter": 1}, True, True, {}, True]
+        assert result == [
+            {"all_gather": 1},
+            True,
+            True,
+            {"all_reduce": 1, "reduce_scatter": 1},
+            True,
+            True,
+            {},
+            True,
+        ]
 
 
 @pytest.mark.parametrize(
@@ -94,7 +103,9 @@ def test_1d_placements_forward_and_backward() -> None:
     ],
     ids=["S0S1-RR", "S0S1-S1S0", "RS0-S0R"],
 )
-def test_2d_mesh_redistribute_round_trip_and_gradient(src: tuple[object, ...], dst: tuple[object, ...]) -> None:
+def test_2d_mesh_redistribute_round_trip_and_gradient(
+    src: tuple[object, ...], dst: tuple[object, ...]
+) -> None:
     def body() -> tuple[bool, bool]:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
         full = _global(8, 6)

@@ -135,7 +135,9 @@ def test_all_to_all_split_mismatch_is_explained() -> None:
     assert isinstance(error, meshsim.CollectiveMismatchError)
     assert error.ranks == (1,)
     message = str(error)
-    assert message.startswith("the ranks' all_to_all arguments do not fit together in call #0 of group [0, 1]:")
+    assert message.startswith(
+        "the ranks' all_to_all arguments do not fit together in call #0 of group [0, 1]:"
+    )
     assert "What does not fit:\n  - rank 0 expects 2 rows from rank 1, which sends 1\n" in message
 
 

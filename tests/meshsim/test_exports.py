@@ -11,7 +11,9 @@ import shardtensor
 def test_meshsim_exports() -> None:
     for name in meshsim.__all__:
         assert getattr(meshsim, name) is not None
-    public = {n for n, v in vars(meshsim).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    public = {
+        n for n, v in vars(meshsim).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)
+    }
     assert public == set(meshsim.__all__)
     assert sorted(meshsim.__all__) == meshsim.__all__
 
@@ -19,7 +21,11 @@ def test_meshsim_exports() -> None:
 def test_shardtensor_exports() -> None:
     for name in shardtensor.__all__:
         assert getattr(shardtensor, name) is not None
-    public = {n for n, v in vars(shardtensor).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    public = {
+        n
+        for n, v in vars(shardtensor).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType)
+    }
     assert public == set(shardtensor.__all__)
 
 

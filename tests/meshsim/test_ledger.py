@@ -20,7 +20,9 @@ def fixed_program() -> Ledger:
         x = torch.ones(8)  # 32 bytes of float32
         dist.all_reduce(x)
         dist.all_gather_into_tensor(torch.zeros(8 * ws), x)
-        dist.reduce_scatter_tensor(torch.zeros(2, dtype=torch.float64), torch.ones(2 * ws, dtype=torch.float64))
+        dist.reduce_scatter_tensor(
+            torch.zeros(2, dtype=torch.float64), torch.ones(2 * ws, dtype=torch.float64)
+        )
         dist.broadcast(x, src=1)
         if rank in (0, 1):
             dist.all_reduce(x, group=pair, op=dist.ReduceOp.MAX)
@@ -35,10 +37,32 @@ def fixed_program() -> Ledger:
 def test_fixed_program_ledger_is_exact() -> None:
     ledgers = meshsim.run(fixed_program, 4)
     world = (0, 1, 2, 3)
-    assert ledgers[0].counts() == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "send": 1, "barrier": 1}
-    assert ledgers[2].counts() == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "barrier": 1}
-    assert ledgers[3].counts() == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "recv": 1, "barrier": 1}
-    assert ledgers[0].project("op", "api", "group", "dtype", "bytes_in", "bytes_out", "reduce_op", "seq", "peer") == [
+    assert ledgers[0].counts() == {
+        "all_reduce": 2,
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "broadcast": 1,
+        "send": 1,
+        "barrier": 1,
+    }
+    assert ledgers[2].counts() == {
+        "all_reduce": 1,
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "broadcast": 1,
+        "barrier": 1,
+    }
+    assert ledgers[3].counts() == {
+        "all_reduce": 1,
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "broadcast": 1,
+        "recv": 1,
+        "barrier": 1,
+    }
+    assert ledgers[0].project(
+        "op", "api", "group", "dtype", "bytes_in", "bytes_out", "reduce_op", "seq", "peer"
+    ) == [
         ("all_reduce", "all_reduce", world, torch.float32, 32, 32, "SUM", 0, None),
         ("all_gather", "all_gather_into_tensor", world, torch.float32, 32, 128, None, 1, None),
         ("reduce_scatter", "reduce_scatter_tensor", world, torch.float64, 64, 16, "SUM", 2, None),
@@ -123,9 +147,13 @@ def test_coalesced_calls_are_one_record() -> None:
 
 
 def test_str_and_repr() -> None:
-    call = Collective("all_gather", "all_gather_into_tensor", (0, 1), torch.float32, 1024, 2048, None, 3, "t.py:9 in f")
+    call = Collective(
+        "all_gather", "all_gather_into_tensor", (0, 1), torch.float32, 1024, 2048, None, 3, "t.py:9 in f"
+    )
     assert str(call) == "all_gather_into_tensor float32 group=[0, 1] in=1.0 KiB out=2.0 KiB #3 at t.py:9 in f"
-    assert repr(call).startswith("Collective(op='all_gather', api='all_gather_into_tensor', group=(0, 1), dtype=torch.float32")
+    assert repr(call).startswith(
+        "Collective(op='all_gather', api='all_gather_into_tensor', group=(0, 1), dtype=torch.float32"
+    )
     ledger = Ledger()
     ledger.calls.append(call)
     assert str(ledger).splitlines() == [
@@ -140,7 +168,10 @@ def test_str_and_repr() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda led: led.count("allreduce"), "unknown collective op 'allreduce'; expected one of all_gather, all_reduce"),
+        (
+            lambda led: led.count("allreduce"),
+            "unknown collective op 'allreduce'; expected one of all_gather, all_reduce",
+        ),
         (lambda led: led.bytes("x"), "unknown collective op 'x'"),
         (lambda led: led.bytes(direction="up"), "direction must be 'in' or 'out', got 'up'"),
         (lambda led: led.project("size"), "project() takes field names from ['op', 'api', "),

@@ -59,9 +59,9 @@ def test_dropout_under_replicated_params_differs_per_rank_as_in_processes() -> N
         return dropped.tolist()
 
     results = meshsim.run(body, 2)
-    assert results[0] == torch.nn.functional.dropout(
-        (torch.manual_seed(0), torch.ones(16))[1], p=0.5
-    ).tolist()
+    assert (
+        results[0] == torch.nn.functional.dropout((torch.manual_seed(0), torch.ones(16))[1], p=0.5).tolist()
+    )
     assert results[0] != results[1]
 
 
@@ -89,7 +89,9 @@ def test_python_random_and_numpy_are_per_rank_too() -> None:
         assert npy == [float(ref_np.rand()) for _ in range(3)]
     assert random.getstate() == before_py
     after_np = np.random.get_state()
-    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(before_np, after_np))
+    assert all(
+        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(before_np, after_np)
+    )
 
 
 def test_unseeded_python_random_starts_from_the_callers_state() -> None:

@@ -37,4 +37,6 @@ def test_a_key_nobody_sets_is_a_deadlock() -> None:
     with pytest.raises(meshsim.DeadlockError) as info:
         meshsim.run(body, 2, timeout=30)
     assert not info.value.timed_out
-    assert "rank 0: waiting in store.wait for key(s) ['default_pg/0//never'] at test_store.py:" in str(info.value)
+    assert "rank 0: waiting in store.wait for key(s) ['default_pg/0//never'] at test_store.py:" in str(
+        info.value
+    )

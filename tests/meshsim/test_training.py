@@ -17,7 +17,11 @@ WS, STEPS = 4, 3
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)  # every rank builds the same weights, from its own RNG
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
     )
 
 
