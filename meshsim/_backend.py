@@ -177,7 +177,7 @@ class SimProcessGroup(dist.ProcessGroup):
     """One rank's handle on one simulated process group."""
 
     def __init__(self, context: RankContext, group: Any, group_rank: int) -> None:
-        super().__init__(group_rank, group.size)
+        super().__init__(group_rank, group.size)  # type: ignore[call-arg]
         self._context = context
         self._group = group
         self._group_rank = group_rank
@@ -186,7 +186,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
-        return self._group.name
+        name: str = self._group.name
+        return name
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -249,7 +250,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         api = "all_reduce" if len(tensors) == 1 else "all_reduce_coalesced"
         return self._all_reduce(tensors, opts, api)
@@ -272,7 +273,7 @@ class SimProcessGroup(dist.ProcessGroup):
             result=tensors,
         )
 
-    def reduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = list(tensors)
         op, factor = _reduce_op(opts)
         root = opts.rootRank if opts is not None else 0
@@ -292,7 +293,7 @@ class SimProcessGroup(dist.ProcessGroup):
             result=tensors,
         )
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
     ) -> dist.Work:
         outputs, input_lists = list(outputs), [list(x) for x in input_lists]
@@ -316,7 +317,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
         return self._reduce_scatter_tensor([output], [input], opts, "reduce_scatter_tensor")
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
@@ -324,7 +325,7 @@ class SimProcessGroup(dist.ProcessGroup):
         api = "reduce_scatter_tensor" if len(outputs) == 1 else "reduce_scatter_tensor_coalesced"
         return self._reduce_scatter_tensor(list(outputs), list(inputs), opts, api)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def _reduce_scatter_tensor(
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, api: str
@@ -346,7 +347,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- gathers ------------------------------------------------------------------
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
         output_lists, inputs = [list(x) for x in output_lists], list(inputs)
@@ -386,7 +387,7 @@ class SimProcessGroup(dist.ProcessGroup):
         api = "all_gather_into_tensor" if len(outputs) == 1 else "all_gather_into_tensor_coalesced"
         return self._all_gather_into_tensor(list(outputs), list(inputs), api)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     def _all_gather_into_tensor(self, outputs: list[Tensor], inputs: list[Tensor], api: str) -> dist.Work:
         self._check_sized(inputs, outputs, api, "output", "input")
@@ -401,7 +402,7 @@ class SimProcessGroup(dist.ProcessGroup):
             result=outputs,
         )
 
-    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:
+    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "gather")
         inputs = list(inputs)
@@ -420,7 +421,7 @@ class SimProcessGroup(dist.ProcessGroup):
             result=outputs,
         )
 
-    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:
+    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "scatter")
         outputs = list(outputs)
@@ -439,7 +440,7 @@ class SimProcessGroup(dist.ProcessGroup):
             result=outputs,
         )
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "broadcast")
@@ -484,7 +485,7 @@ class SimProcessGroup(dist.ProcessGroup):
             result=[output],
         )
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
         outputs, inputs = list(outputs), list(inputs)

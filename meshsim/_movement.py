@@ -121,7 +121,7 @@ def split_sizes(dim0: int, splits: Sequence[int], parts: int) -> list[int]:
 
 def all_to_all_single(inputs: Sequence[Tensor], input_splits: Sequence[Sequence[int]]) -> list[Tensor]:
     """Rank ``r`` receives, in sender order, the ``r``-th dim-0 piece of every input."""
-    pieces = [list(t.split(list(s), dim=0)) for t, s in zip(inputs, input_splits)]
+    pieces = [list(torch.split(t, list(s), dim=0)) for t, s in zip(inputs, input_splits)]
     return [torch.cat([pieces[src][dst] for src in range(len(inputs))]) for dst in range(len(inputs))]
 
 

@@ -197,7 +197,7 @@ def scatter(calls: Sequence[Call]) -> None:
 
 def scatter_compat(calls: Sequence[Call]) -> list[mv.Problem]:
     root = calls[0].payload[2]
-    sent = [[None] * len(calls) for _ in calls]
+    sent: list[list[Any]] = [[None] * len(calls) for _ in calls]
     sent[root] = [tuple(t.shape) for t in calls[root].payload[1]]
     expected = [[tuple(c.payload[0].shape)] * len(calls) for c in calls]
     return mv.compat_exchange(_numel_shapes(sent), _numel_shapes(expected), "a piece")

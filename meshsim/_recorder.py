@@ -236,7 +236,7 @@ _HANDLERS: dict[tuple[str, str], _Handler] = {
 }
 
 
-class DispatchRecorder(TorchDispatchMode):
+class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Feeds :func:`meshsim.record` from the dispatcher; enter it in each rank's thread.
 
     Sequence numbers count every collective seen since the mode was entered,
@@ -245,7 +245,7 @@ class DispatchRecorder(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._seq: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, ...]] = {}
 

@@ -64,11 +64,11 @@ def run_in_processes(
     target: TestTarget, funcargs: dict[str, Any], world_size: int, *, timeout: float
 ) -> None:
     """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails."""
-    import torch.distributed as dist
     from filelock import FileLock
+    from torch._C._distributed_c10d import TCPStore
 
     with FileLock(_LOCK_PATH, timeout=timeout):
-        store = dist.TCPStore(
+        store = TCPStore(
             "127.0.0.1",
             0,
             world_size + 1,
@@ -188,12 +188,13 @@ def _run_rank(
 ) -> None:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
 
     from meshsim._fixtures import RankFixtures, resolve
     from meshsim._recorder import DispatchRecorder
 
     delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=delta)
+    store = TCPStore("127.0.0.1", port, world_size + 1, False, timeout=delta)
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)

@@ -22,7 +22,7 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
 def _cuda_rng() -> list[torch.Tensor] | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return torch.cuda.get_rng_state_all()
     return None
 
@@ -54,7 +54,7 @@ class RankState:
     def save(self) -> None:
         """Remember the process's current values as this rank's."""
         self.rng = torch.get_rng_state()
-        if self.cuda_rng is not None or torch.cuda.is_initialized():
+        if self.cuda_rng is not None or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             self.cuda_rng = _cuda_rng()
         self.default_dtype = torch.get_default_dtype()
 

@@ -12,12 +12,17 @@ import itertools
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch._C._distributed_c10d import _create_work_from_future, _resolve_process_group
+from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+    PrefixStore,
+    Store,
+    _create_work_from_future,
+    _resolve_process_group,
+)
 
 __all__ = [
     "as_process_group",
@@ -34,14 +39,16 @@ def completed_work(result: object = None) -> dist.Work:
     """A Work that is already complete, whose future holds ``result``."""
     # torch._C.Future skips torch.futures.Future's Python constructor: this runs
     # once per rank per collective.
-    fut = torch._C.Future([])
+    fut: Any = torch._C.Future([])
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    work: dist.Work = _create_work_from_future(fut)
+    return work
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name`` in this thread's registry."""
-    return _resolve_process_group(group_name)
+    group: dist.ProcessGroup = _resolve_process_group(cast(Any, group_name))
+    return group
 
 
 class _RankWorld:
@@ -88,19 +95,19 @@ _TOKENS = itertools.count(1)
 def install_thread_worlds() -> _ThreadWorlds:
     """Replace ``c10d._world`` with a per-thread view; returns it for :func:`uninstall_thread_worlds`."""
     worlds = _ThreadWorlds(c10d._world)
-    c10d._world = worlds
+    c10d._world = worlds  # type: ignore[assignment]
     # Funcol and DTensor find groups by name in a C++ registry; per-thread
     # registries keep rank threads' identically named groups apart. There is no
     # public getter, so we assume it was off, as it is unless torch's own
     # threaded test harness is running.
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
     return worlds
 
 
 def uninstall_thread_worlds(worlds: _ThreadWorlds) -> None:
-    if c10d._world is worlds:
+    if c10d._world is worlds:  # type: ignore[comparison-overlap]
         c10d._world = worlds._original
-    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
 
 
 def disable_autograd_threads() -> bool:
@@ -169,7 +176,7 @@ def patch_dtensor_cpu_alltoall() -> Callable[[], Any]:
     # None`. GPUs take one all_to_all; a simulated mesh should record what GPUs do.
     from torch.distributed.tensor import _collective_utils
 
-    original: Callable[[], Any] = _collective_utils.local_tensor_mode
+    original: Callable[[], Any] = _collective_utils.local_tensor_mode  # type: ignore[attr-defined]
     marker = _NotLocalTensorMode()
     local = _rank
 
@@ -179,14 +186,14 @@ def patch_dtensor_cpu_alltoall() -> Callable[[], Any]:
             return marker
         return mode
 
-    _collective_utils.local_tensor_mode = local_tensor_mode  # type: ignore[assignment]
+    _collective_utils.local_tensor_mode = local_tensor_mode  # type: ignore[attr-defined]
     return original
 
 
 def unpatch_dtensor_cpu_alltoall(original: Callable[[], Any]) -> None:
     from torch.distributed.tensor import _collective_utils
 
-    _collective_utils.local_tensor_mode = original  # type: ignore[assignment]
+    _collective_utils.local_tensor_mode = original  # type: ignore[attr-defined]
 
 
 def clear_dtensor_caches() -> None:
@@ -241,7 +248,7 @@ def _copy(value: Any) -> Any:
 _BACKEND_CONFIGS: dict[str, str] = {}
 
 
-def install_default_group(pg: dist.ProcessGroup, backend: str, store: dist.Store) -> None:
+def install_default_group(pg: dist.ProcessGroup, backend: str, store: Store) -> None:
     """Make ``pg`` this rank thread's default group, as ``init_process_group`` would.
 
     ``store`` should be what c10d keeps for a default group: the world's store
@@ -253,7 +260,7 @@ def install_default_group(pg: dist.ProcessGroup, backend: str, store: dist.Store
     test_torch_private.py against the real call, so a torch change is caught).
     """
     world = c10d._world
-    name = str(world.group_count)
+    name: Any = str(world.group_count)  # a GroupName in torch's stubs; a str at run time
     world.group_count += 1
     pg._set_group_name(name)
     pg._set_group_desc("default_pg")
@@ -271,9 +278,9 @@ def install_default_group(pg: dist.ProcessGroup, backend: str, store: dist.Store
     world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
 
 
-def default_group_store(store: dist.Store) -> dist.Store:
+def default_group_store(store: Store) -> Store:
     """The store c10d records for a default group made by ``init_process_group(store=store)``."""
-    return dist.PrefixStore("0/", dist.PrefixStore("default_pg", store))
+    return PrefixStore("0/", PrefixStore("default_pg", store))
 
 
 def forget_groups() -> None:
@@ -309,4 +316,5 @@ def as_process_group(group: Any) -> dist.ProcessGroup:
 
 def premul_factor(reduce_op: Any) -> float | torch.Tensor:
     """The scale factor of a PREMUL_SUM ``ReduceOp`` (``torch.distributed._make_nccl_premul_sum``)."""
-    return reduce_op.factor
+    factor: float | torch.Tensor = reduce_op.factor
+    return factor

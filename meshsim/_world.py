@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, Store
 
 from meshsim import _patches, _torch_private
 from meshsim._backend import (
@@ -160,8 +161,8 @@ class _World:
         self.failures: list[tuple[int, BaseException, str]] = []
         self.states: list[RankState] = []
         self.threads: list[threading.Thread] = []
-        self.store: dist.Store | None = None
-        self.group_store: dist.Store | None = None
+        self.store: Store | None = None
+        self.group_store: Store | None = None
         self.stuck: list[int] = []
         self.cpu: int | None = None
 
@@ -182,7 +183,7 @@ class _World:
         return self._outcome()
 
     def _start(self) -> None:
-        self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else dist.HashStore()
+        self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
         if self.num_threads is not None:
             # Threads take the intra-op thread count last set anywhere in the process;
