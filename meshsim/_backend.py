@@ -13,9 +13,11 @@ Receives are the exception: ``irecv`` returns a pending Work, so that
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -224,15 +226,19 @@ class SimProcessGroup(dist.ProcessGroup):
         root: int | None = None,
         result: object = None,
     ) -> dist.Work:
-        site = _ledger.call_site(2)
+        # The rank stays inside this call until every rank has arrived, which is
+        # whenever an error needs the site: keep the frame, format it only then.
+        frame = sys._getframe(1)
+        where: str | FrameType = frame
         seq = self._seq
         self._seq += 1
         ranks = self._group.ranks
         if _ledger.is_recording():
+            site = where = _ledger.site_of(frame)
             peer = ranks[root] if root is not None else None
             dtype, bytes_in, bytes_out = ledger()
             _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
-        call = Call(self._group_rank, op, signature, describe, site, payload, execute, compat)
+        call = Call(self._group_rank, op, signature, describe, where, payload, execute, compat)
         context = self._context
         slot = context.rendezvous.arrive(self._group, seq, call)
         context.scheduler.wait(context.rank, slot)

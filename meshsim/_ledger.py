@@ -14,7 +14,16 @@ from types import FrameType
 
 import torch
 
-__all__ = ["Collective", "Ledger", "append", "call_site", "is_recording", "record", "recording_into"]
+__all__ = [
+    "Collective",
+    "Ledger",
+    "append",
+    "call_site",
+    "is_recording",
+    "record",
+    "recording_into",
+    "site_of",
+]
 
 OPS = (
     "all_gather",
@@ -263,7 +272,12 @@ _sites: dict[tuple[object, int], str] = {}
 
 def call_site(depth: int = 1) -> str:
     """``file.py:LINE in function`` of the first caller outside torch and meshsim."""
-    frame = user_frame(sys._getframe(depth))
+    return site_of(sys._getframe(depth))
+
+
+def site_of(frame: FrameType | None) -> str:
+    """``file.py:LINE in function`` of the first frame outside torch and meshsim, from ``frame`` out."""
+    frame = user_frame(frame)
     if frame is None:
         return "<unknown>"
     code = frame.f_code

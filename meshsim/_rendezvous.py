@@ -15,9 +15,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from meshsim._errors import CollectiveMismatchError
+from meshsim._ledger import site_of
 from meshsim._movement import Problem, culprits
 from meshsim._scheduler import Scheduler, Waitable
 
@@ -39,7 +41,8 @@ class Call:
         signature: what must be equal on every rank (op, dtypes, shapes, ...).
         describe: makes the call's text for error tables, e.g. ``all_reduce(float32[4], SUM)``
             (built only when an error needs it: the hot path never formats).
-        site: ``file.py:LINE in function`` of the user's call.
+        where: ``file.py:LINE in function`` of the user's call, or the frame of the call, read
+            only when needed (the rank is still inside its call whenever an error is built).
         payload: the tensors and options the executor needs.
         execute: moves the data, given every rank's call in group-rank order.
         compat: the cross-rank check for what may differ between ranks (e.g. all_to_all
@@ -50,7 +53,7 @@ class Call:
     op: str
     signature: tuple[Any, ...]
     describe: Callable[[], str]
-    site: str
+    where: str | FrameType
     payload: Any
     execute: Callable[[Sequence[Call]], None]
     compat: Callable[[Sequence[Call]], list[Problem]] | None = None
@@ -58,6 +61,12 @@ class Call:
     @property
     def text(self) -> str:
         return self.describe()
+
+    @property
+    def site(self) -> str:
+        if not isinstance(self.where, str):
+            self.where = site_of(self.where)
+        return self.where
 
 
 class GroupState:

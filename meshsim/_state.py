@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["ProcessState", "RankState"]
 
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+_PER_RANK_ENV = ("RANK", "LOCAL_RANK")
 
 
 def _cuda_rng() -> list[torch.Tensor] | None:
@@ -59,16 +59,21 @@ class RankState:
         self.default_dtype = torch.get_default_dtype()
 
     def load(self) -> None:
-        """Make this rank's values the process's current ones."""
+        """Make this rank's values the process's current ones (runs at every hand-over)."""
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
         environ = os.environ
+        for key in _PER_RANK_ENV:  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+            environ[key] = self.env[key]
+
+    def load_world_env(self) -> None:
+        """Set the environment every rank shares (once, before any rank runs)."""
         for key, value in self.env.items():
-            if environ.get(key) != value:
-                environ[key] = value
+            if key not in _PER_RANK_ENV:
+                os.environ[key] = value
 
 
 @dataclass

@@ -196,6 +196,7 @@ class _World:
             self.states = [RankState.fresh(r, self.world_size) for r in range(self.world_size)]
             for state in self.states:
                 state.rng = initial
+            self.states[0].load_world_env()
         for rank in range(self.world_size):
             thread = threading.Thread(
                 target=self._rank_main, args=(rank,), name=f"meshsim-rank-{rank}", daemon=True
