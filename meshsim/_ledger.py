@@ -153,6 +153,8 @@ class Ledger:
         return f"Ledger(calls={self.calls!r})"
 
     def __str__(self) -> str:
+        if not self.calls:
+            return "0 collectives"
         rows = [_COLUMNS] + [_row(i, c) for i, c in enumerate(self.calls)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
