@@ -251,11 +251,15 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if any(t is not Tensor and issubclass(t, Tensor) for t in types):
-            return NotImplemented  # let DTensor desugar first; we see its collectives after
         handler = _HANDLERS.get((func.namespace, func._overloadpacket.__name__))
         if handler is None:
             return func(*args, **kwargs)
+        if any(t is not Tensor and issubclass(t, Tensor) for t in types):
+            # A collective on a subclass (DTensor): let it desugar first, then see the
+            # plain-tensor collectives it issues. Only collectives: FakeTensor (DTensor's
+            # sharding propagation) also answers NotImplemented to foreign modes, and two
+            # refusals would fail every DTensor operator.
+            return NotImplemented
         site = _ledger.call_site(2)
         out = func(*args, **kwargs)
         seen = handler(args, kwargs.get("out", out))

@@ -58,7 +58,8 @@ def check_placements(placements: object, mesh: DeviceMesh, ndim: int) -> tuple[P
     if len(placements) != mesh.ndim:
         # PhysicsNeMo's exact message; the note names the values.
         error = ValueError("Mesh dimension must match placements length")
-        raise with_note(error, f"the mesh has {mesh.ndim} dims, got {len(placements)} placements {list(placements)}")
+        note = f"the mesh has {mesh.ndim} dims, got {len(placements)} placements {list(placements)}"
+        raise with_note(error, note)
     checked = tuple(_check_one(i, p, ndim) for i, p in enumerate(placements))
     _check_distinct_dims(checked)
     return checked

@@ -10,15 +10,22 @@ mesh coordinate determine every per-rank shape.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["ShardTensorSpec", "chunk_sizes", "contiguous_stride", "make_spec"]
+__all__ = [
+    "ShardTensorSpec",
+    "chunk_layout",
+    "chunk_sizes",
+    "contiguous_stride",
+    "make_spec",
+    "numel",
+    "without_partial",
+]
 
 
 def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
@@ -66,6 +73,8 @@ class ShardTensorSpec:
         dtype: the element type.
         shard_sizes: per mesh dim, the size of its sharded tensor dim on each
             coordinate along it; None for mesh dims that are not ``Shard``.
+        coordinate: this rank's coordinate on the mesh (derived).
+        local_shape: the shape of this rank's local tensor (derived).
     """
 
     mesh: DeviceMesh
@@ -75,39 +84,28 @@ class ShardTensorSpec:
     dtype: torch.dtype
     shard_sizes: tuple[tuple[int, ...] | None, ...]
 
+    # Derived in __post_init__ (not compared, not in repr): read on every from_local.
+    coordinate: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    local_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if not len(self.placements) == len(self.shard_sizes) == self.mesh.ndim:
             raise ValueError(
                 f"a spec needs one placement and one shard_sizes entry per mesh dim ({self.mesh.ndim}), "
                 f"got placements {self.placements} and shard_sizes {self.shard_sizes}"
             )
-        for m, (p, sizes) in enumerate(zip(self.placements, self.shard_sizes)):
+        coordinate = self.mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"this rank is not part of the mesh {self.mesh}")
+        local = list(self.shape)
+        for m, (p, sizes) in enumerate(zip(self.placements, self.shard_sizes, strict=True)):
             if isinstance(p, Shard) != (sizes is not None):
                 raise ValueError(f"mesh dim {m} is {p}, but its shard_sizes entry is {sizes}")
             if isinstance(p, Shard) and sizes is not None:
                 _check_sizes(m, p.dim, sizes, self.shape, self.mesh.size(m))
-
-    @cached_property
-    def coordinate(self) -> tuple[int, ...]:
-        """This rank's coordinate on the mesh.
-
-        Raises:
-            ValueError: this rank is not part of the mesh.
-        """
-        coordinate = self.mesh.get_coordinate()
-        if coordinate is None:
-            raise ValueError(f"this rank is not part of the mesh {self.mesh}")
-        return tuple(coordinate)
-
-    @cached_property
-    def local_shape(self) -> tuple[int, ...]:
-        """The shape of this rank's local tensor."""
-        shape = list(self.shape)
-        for m, p in enumerate(self.placements):
-            sizes = self.shard_sizes[m]
-            if isinstance(p, Shard) and sizes is not None:
-                shape[p.dim] = sizes[self.coordinate[m]]
-        return tuple(shape)
+                local[p.dim] = sizes[coordinate[m]]
+        object.__setattr__(self, "coordinate", tuple(coordinate))  # frozen: set once, here
+        object.__setattr__(self, "local_shape", tuple(local))
 
     def sharding_shapes(
         self, mesh_dim: int | None = None
@@ -127,7 +125,12 @@ class ShardTensorSpec:
         Raises:
             ValueError: ``mesh_dim`` is not a ``Shard`` mesh dim.
         """
-        shapes = {m: self._shapes_along(m) for m, p in enumerate(self.placements) if isinstance(p, Shard)}
+        local = self.local_shape
+        shapes = {
+            m: tuple((*local[: p.dim], size, *local[p.dim + 1 :]) for size in sizes)
+            for m, (p, sizes) in enumerate(zip(self.placements, self.shard_sizes, strict=True))
+            if isinstance(p, Shard) and sizes is not None
+        }
         if mesh_dim is None:
             return shapes
         if mesh_dim not in shapes:
@@ -136,12 +139,6 @@ class ShardTensorSpec:
                 f"Shard mesh dims: {sorted(shapes)}"
             )
         return shapes[mesh_dim]
-
-    def _shapes_along(self, mesh_dim: int) -> tuple[tuple[int, ...], ...]:
-        dim = _shard_dim(self.placements[mesh_dim])
-        sizes = self.shard_sizes[mesh_dim] or ()
-        local = self.local_shape
-        return tuple(local[:dim] + (size,) + local[dim + 1 :] for size in sizes)
 
     def offsets(self, mesh_dim: int | None = None) -> tuple[int, ...] | int:
         """Where this rank's shard starts in the global tensor, per mesh dim.
@@ -170,15 +167,11 @@ class ShardTensorSpec:
         return f"{text} (sizes {sizes})" if sizes else text
 
 
-def _shard_dim(placement: Placement) -> int:
-    if not isinstance(placement, Shard):
-        raise ValueError(f"expected a Shard placement, got {placement}")
-    return placement.dim
-
-
 def _check_sizes(mesh_dim: int, dim: int, sizes: tuple[int, ...], shape: tuple[int, ...], parts: int) -> None:
     if not 0 <= dim < len(shape):
-        raise ValueError(f"mesh dim {mesh_dim} shards tensor dim {dim}, out of range for global shape {shape}")
+        raise ValueError(
+            f"mesh dim {mesh_dim} shards tensor dim {dim}, out of range for global shape {shape}"
+        )
     if len(sizes) != parts or sum(sizes) != shape[dim] or min(sizes, default=0) < 0:
         raise ValueError(
             f"mesh dim {mesh_dim} has {parts} coordinates sharing tensor dim {dim} of size {shape[dim]}, "
@@ -202,7 +195,9 @@ def chunk_layout(
     mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...]
 ) -> dict[int, tuple[int, ...]]:
     """The shard sizes torch.chunk gives every ``Shard`` mesh dim of ``placements``."""
-    return {m: chunk_sizes(shape[p.dim], mesh.size(m)) for m, p in enumerate(placements) if isinstance(p, Shard)}
+    return {
+        m: chunk_sizes(shape[p.dim], mesh.size(m)) for m, p in enumerate(placements) if isinstance(p, Shard)
+    }
 
 
 def without_partial(spec: ShardTensorSpec) -> ShardTensorSpec:

@@ -75,3 +75,18 @@ def test_gloo_rank_error() -> None:
         assert str(error.__cause__) == "gloo rank fails"
     else:
         raise AssertionError("expected a RankError")
+
+
+def test_dtensor_arithmetic_under_the_dispatch_recorder() -> None:
+    """Regression: the recorder refused every op on a tensor subclass, FakeTensor included,
+    so DTensor's sharding propagation failed on gloo and under --multigpu-static."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def body() -> tuple[float, dict[str, int]]:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        dt = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+        with meshsim.record() as ledger:
+            total = (dt * 3).full_tensor().sum().item()
+        return total, ledger.counts()
+
+    assert meshsim.run(body, 2, backend="gloo") == [(24.0, {"all_gather": 1})] * 2

@@ -1,0 +1,196 @@
+"""Gradients through from_local, redistribute, to_local and full_tensor; autograd plumbing."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import meshsim
+from shardtensor import ShardTensor
+from shardtensor._redistribute import _negotiate_shapes
+
+HOPS_1D = {"S0-S1": [Shard(1)], "S0-R": [Replicate()], "S0-S0": [Shard(0)]}
+
+
+@pytest.mark.world(1, 2, 3, 4, 8)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kind", ["even", "uneven", "empty"])
+@pytest.mark.parametrize("hop", list(HOPS_1D))
+def test_to_local_loss_gives_the_analytic_gradient(distributed_mesh, world_size, hop, kind, dtype) -> None:
+    mesh, size = distributed_mesh, KINDS[kind](world_size)
+    full = global_tensor((size, size + 1), dtype, mesh.device_type)
+    leaf = shard(full, mesh, [Shard(0)]).requires_grad_()
+    st = ShardTensor.from_local(leaf, mesh, [Shard(0)], "chunk", global_shape=full.shape)
+    out = st.redistribute(placements=HOPS_1D[hop]).to_local()
+    (out * out).sum().backward()
+    # A redistribute moves elements without changing them: d(sum x^2)/dx = 2x. With a
+    # Replicate target every rank computes the same loss, and (as in DTensor) the
+    # gradient is not summed over the replicas.
+    assert leaf.grad is not None and leaf.grad.dtype == dtype
+    assert torch.equal(leaf.grad, 2 * leaf.detach())
+
+
+@pytest.mark.world(1, 2, 3, 4)
+@pytest.mark.parametrize("kind", ["even", "uneven", "empty"])
+def test_full_tensor_loss_sends_each_rank_its_rows_of_the_gradient(
+    distributed_mesh, world_size, kind
+) -> None:
+    mesh = distributed_mesh
+    full = global_tensor((KINDS[kind](world_size), 3), torch.float32, mesh.device_type)
+    weights = global_tensor((KINDS[kind](world_size), 3), torch.float32, mesh.device_type) * 10
+    leaf = shard(full, mesh, [Shard(0)]).requires_grad_()
+    st = ShardTensor.from_local(leaf, mesh, [Shard(0)], "chunk", global_shape=full.shape)
+    with meshsim.record() as led:
+        (st.redistribute(placements=[Shard(1)]).full_tensor() * weights).sum().backward()
+    assert torch.equal(leaf.grad, shard(weights, mesh, [Shard(0)]))
+    # forward: all_to_all + all_gather; backward: slice (nothing) + all_to_all
+    assert led.counts() == {"all_to_all": 2, "all_gather": 1}
+
+
+PLACEMENTS_2D = [[Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate(), Shard(0)]]
+
+
+@pytest.mark.world(4, 8)
+@pytest.mark.parametrize("kind", ["even", "uneven", "empty"])
+@pytest.mark.parametrize("placements", PLACEMENTS_2D, ids=["S0,S1", "S1,R", "R,S0"])
+def test_2d_gradients(distributed_mesh_2d, placements, kind) -> None:
+    mesh = distributed_mesh_2d
+    size = KINDS[kind](max(mesh.shape))
+    full = global_tensor((size, size, 2), torch.float32, mesh.device_type)
+    weights = global_tensor((size, size, 2), torch.float32, mesh.device_type) + 1
+    leaf = shard(full, mesh, placements).requires_grad_()
+    st = ShardTensor.from_local(leaf, mesh, placements, "chunk", global_shape=full.shape)
+    moved = st.redistribute(placements=[Shard(2), Shard(0)])
+    (moved.full_tensor() * weights).sum().backward()
+    assert torch.equal(leaf.grad, shard(weights, mesh, placements))
+
+
+@pytest.mark.world(2, 3, 4)
+def test_gradients_return_in_the_inferred_uneven_layout(distributed_mesh, world_size) -> None:
+    sizes = ramp(world_size)
+    mesh = distributed_mesh
+    full = global_tensor((sum(sizes), 4), torch.float32, mesh.device_type)
+    leaf = shard(full, mesh, [Shard(0)], {0: sizes}).requires_grad_()
+    st = ShardTensor.from_local(leaf, mesh, [Shard(0)])
+    out = st.redistribute(placements=[Shard(1)]).to_local()
+    (3 * out).sum().backward()
+    assert torch.equal(leaf.grad, torch.full_like(leaf, 3.0))
+
+
+@pytest.mark.world(2, 4)
+def test_negotiated_backward_matches_the_fast_path(distributed_mesh, world_size) -> None:
+    mesh = distributed_mesh
+    full = global_tensor((KINDS["empty"](world_size), 5), torch.float32, mesh.device_type)
+    grads = []
+    for negotiate in (False, True):
+        leaf = shard(full, mesh, [Shard(0)]).requires_grad_()
+        st = ShardTensor.from_local(leaf, mesh, [Shard(0)], "chunk", global_shape=full.shape)
+        with _negotiate_shapes() if negotiate else contextlib.nullcontext(), meshsim.record() as led:
+            (st.redistribute(placements=[Shard(1)]).to_local() ** 3).sum().backward()
+        assert led.counts() == {"all_to_all": 4 if negotiate else 2}
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.world(2, 4)
+def test_a_partial_input_gets_the_replicated_gradient(distributed_mesh, world_size, rank) -> None:
+    # PhysicsNeMo's test_from_local_partial_grad_boundary: global = sum of the partials.
+    mesh = distributed_mesh
+    weights = global_tensor((3, 2), torch.float32, mesh.device_type)
+    leaf = torch.full((3, 2), float(rank), device=mesh.device_type, requires_grad=True)
+    st = ShardTensor.from_local(leaf, mesh, [Partial()], "chunk", global_shape=(3, 2))
+    (st.full_tensor() * weights).sum().backward()
+    assert torch.equal(leaf.grad, weights)
+
+
+@pytest.mark.world(2)
+def test_backward_on_a_partial_shard_tensor_resolves_it_first(distributed_mesh, rank) -> None:
+    leaf = torch.full((2,), float(rank + 1), device=distributed_mesh.device_type, requires_grad=True)
+    st = ShardTensor.from_local(leaf, distributed_mesh, [Partial()], "chunk", global_shape=(2,))
+    st.backward(torch.ones(2, device=distributed_mesh.device_type))
+    assert torch.equal(leaf.grad, torch.ones(2, device=distributed_mesh.device_type))
+
+
+@pytest.mark.world(2)
+def test_from_local_backward_returns_one_gradient_per_input(distributed_mesh) -> None:
+    leaf = torch.ones(2, 3, device=distributed_mesh.device_type, requires_grad=True)
+    st = ShardTensor.from_local(leaf, distributed_mesh, [Shard(0)], "chunk", global_shape=(4, 3))
+    assert type(st.grad_fn).__name__ == "_FromLocalBackward"
+    grads = st.grad_fn.apply(ShardTensor(torch.ones(2, 3, device=leaf.device), st._spec))
+    assert len(grads) == 5
+    assert torch.equal(grads[0], torch.ones_like(leaf)) and grads[1:] == (None,) * 4
+
+
+@pytest.mark.world(2)
+def test_autograd_flags_and_detach(distributed_mesh) -> None:
+    leaf = torch.ones(2, 3, device=distributed_mesh.device_type, requires_grad=True)
+    st = ShardTensor.from_local(leaf, distributed_mesh, [Shard(0)], "chunk", global_shape=(4, 3))
+    assert st.requires_grad and not st.is_leaf and st.grad_fn is not None
+    detached = st.detach()
+    assert isinstance(detached, ShardTensor) and detached._spec == st._spec
+    assert not detached.requires_grad and detached.is_leaf and detached.grad_fn is None
+    assert detached.to_local().data_ptr() == leaf.data_ptr()
+    with torch.no_grad():
+        assert st.to_local() is st._local_tensor
+        assert not st.redistribute(placements=[Replicate()]).requires_grad
+
+
+@pytest.mark.world(2)
+def test_a_shard_tensor_leaf_accumulates_its_grad_across_layouts(distributed_mesh, rank) -> None:
+    mesh = distributed_mesh
+    local = torch.arange(6.0, device=mesh.device_type).reshape(2, 3) + 6 * rank
+    leaf = ShardTensor.from_local(local, mesh, [Shard(0)], "chunk", global_shape=(4, 3)).requires_grad_()
+    assert leaf.is_leaf and leaf.requires_grad
+    (2 * leaf.to_local()).sum().backward(retain_graph=True)
+    first = leaf.grad
+    assert isinstance(first, ShardTensor) and first._spec == leaf._spec
+    leaf.redistribute(placements=[Replicate()]).to_local().sum().backward()
+    assert isinstance(leaf.grad, ShardTensor) and leaf.grad._spec == leaf._spec
+    assert torch.equal(leaf.grad.to_local(), torch.full((2, 3), 2.0 + 1, device=mesh.device_type))
+
+
+@pytest.mark.world(2)
+def test_two_paths_to_one_leaf_add_up(distributed_mesh, rank) -> None:
+    leaf = torch.ones(2, 3, device=distributed_mesh.device_type, requires_grad=True)
+    st = ShardTensor.from_local(leaf, distributed_mesh, [Shard(0)], "chunk", global_shape=(4, 3))
+    loss = st.to_local().sum() + st.redistribute(placements=[Shard(1)]).to_local().sum()
+    loss.backward()
+    assert torch.equal(leaf.grad, torch.full_like(leaf, 2.0))
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize(
+    ("op", "name"),
+    [
+        (lambda t: t + 1, "aten.add.Tensor"),
+        (lambda t: torch.sum(t), "aten.sum.default"),
+        (lambda t: t.view(-1), "aten.view.default"),
+    ],
+    ids=["add-scalar", "sum", "view"],
+)
+def test_unimplemented_operators_name_the_op_and_the_way_out(distributed_mesh, op, name) -> None:
+    st = ShardTensor.from_local(
+        torch.ones(2, 3, device=distributed_mesh.device_type), distributed_mesh, [Shard(0)], "chunk", (4, 3)
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"ShardTensor does not implement {name}.*\.full_tensor\(\).*\.to_local\(\).*\.to_dtensor\(\)",
+    ):
+        op(st)
+
+
+@pytest.mark.world(2)
+def test_gradient_accumulation_aligns_layouts(distributed_mesh) -> None:
+    # What autograd's engine calls to add two gradients that arrive in different layouts.
+    full = global_tensor((4, 3), torch.float32, distributed_mesh.device_type)
+    rows = ShardTensor.from_local(
+        shard(full, distributed_mesh, [Shard(0)]), distributed_mesh, [Shard(0)], "chunk", (4, 3)
+    )
+    columns = rows.redistribute(placements=[Shard(1)])
+    total = torch.ops.aten.add.Tensor(rows, columns)
+    assert total._spec == rows._spec
+    assert torch.equal(total.to_local(), 2 * rows.to_local())
