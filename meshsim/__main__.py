@@ -34,14 +34,20 @@ def _demo_rank(iterations: int, rows: int) -> dict[str, Any]:
     with meshsim.record() as infer:
         a = ShardTensor.from_local(local, mesh, [Shard(1)])
     with meshsim.record() as chunk:
-        b = ShardTensor.from_local(local, mesh, [Shard(1)], sharding_shapes="chunk", global_shape=global_shape)
+        b = ShardTensor.from_local(
+            local, mesh, [Shard(1)], sharding_shapes="chunk", global_shape=global_shape
+        )
     times = {}
     for mode in ("infer", "chunk"):
-        kwargs = {} if mode == "infer" else {"sharding_shapes": "chunk", "global_shape": global_shape}
         per_call = []
         for _ in range(iterations):
             start = time.perf_counter()
-            ShardTensor.from_local(local, mesh, [Shard(1)], **kwargs)
+            if mode == "infer":
+                ShardTensor.from_local(local, mesh, [Shard(1)])
+            else:
+                ShardTensor.from_local(
+                    local, mesh, [Shard(1)], sharding_shapes="chunk", global_shape=global_shape
+                )
             per_call.append(time.perf_counter() - start)
         times[mode] = statistics.median(per_call)
     return {
@@ -53,11 +59,16 @@ def _demo_rank(iterations: int, rows: int) -> dict[str, Any]:
 
 
 def demo(args: argparse.Namespace) -> int:
-    print(f"ShardTensor.from_local on {args.world_size} simulated ranks, global rows {args.rows} on Shard(1)\n")
+    print(
+        f"ShardTensor.from_local on {args.world_size} simulated ranks, global rows {args.rows} on Shard(1)\n"
+    )
     results = meshsim.run(_demo_rank, args.world_size, args=(args.iterations, args.rows))
     first = results[0]
     for mode in ("infer", "chunk"):
-        title = 'sharding_shapes="infer" (default)' if mode == "infer" else 'sharding_shapes="chunk", global_shape=...'
+        title = {
+            "infer": 'sharding_shapes="infer" (default)',
+            "chunk": 'sharding_shapes="chunk", global_shape=...',
+        }[mode]
         print(f"--- {title}: rank 0's ledger")
         print(first["ledgers"][mode], "\n")
     print(f"per-rank shard shapes along mesh dim 0: {list(first['shapes'][0])}")

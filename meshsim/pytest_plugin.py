@@ -150,8 +150,6 @@ def _configure_static(config: pytest.Config, state: _State) -> None:
     session = StaticSession(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], state.timeout)
     session.start()
     state.static = session
-    if env["RANK"] != 0 and config.getoption("mesh_report") == "rank0":
-        _silence(config)
 
 
 def _xdist_workers(config: pytest.Config) -> bool:
@@ -159,11 +157,17 @@ def _xdist_workers(config: pytest.Config) -> bool:
     return bool(workers) and workers != 0
 
 
-def _silence(config: pytest.Config) -> None:
-    """Only rank 0 reports: drop the terminal reporter on other ranks (like ``-p no:terminal``)."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        config.pluginmanager.unregister(reporter)
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under --multigpu-static only rank 0 reports: other ranks drop the terminal reporter."""
+    config = session.config
+    state = config.stash.get(_STATE, None)
+    if state is None or state.static is None or state.static.rank == 0:
+        return
+    if config.getoption("mesh_report") == "rank0":
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

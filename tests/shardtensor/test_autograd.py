@@ -6,12 +6,13 @@ import contextlib
 
 import pytest
 import torch
-from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import meshsim
 from shardtensor import ShardTensor
 from shardtensor._redistribute import _negotiate_shapes
+
+from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
 
 HOPS_1D = {"S0-S1": [Shard(1)], "S0-R": [Replicate()], "S0-S0": [Shard(0)]}
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .shardtensor_cases import KINDS, global_tensor, ramp, shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import meshsim
 from shardtensor import ShardTensor
+
+from .shardtensor_cases import KINDS, global_tensor, ramp, shard
 
 
 @pytest.mark.world(1, 2, 3, 4)

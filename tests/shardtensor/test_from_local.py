@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import meshsim
 from shardtensor import ShardTensor
+
+from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
 
 
 @pytest.mark.world(1, 2, 3, 4, 8)

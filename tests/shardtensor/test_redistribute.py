@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import meshsim
 from shardtensor import ShardTensor
 from shardtensor._redistribute import _negotiate_shapes
+
+from .shardtensor_cases import DTYPE_IDS, DTYPES, KINDS, global_tensor, ramp, shard
 
 
 def chunked(full, mesh, placements) -> ShardTensor:
