@@ -21,19 +21,23 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["install", "uninstall"]
+__all__ = ["enter_rank", "install", "leave_rank", "uninstall"]
 
 _local = threading.local()
 _NUMPY_ALIASES = {"seed": "seed", "sample": "random_sample", "ranf": "random_sample"}
+# (module, name, original, router): routers are built once per original function,
+# since a world installs them on every start (this runs in a world's set-up time).
+_Route = tuple[Any, str, Any, Callable[..., Any]]
+_routes: dict[tuple[int, str], _Route] = {}
 
 
-def _python_names() -> list[str]:
+def _python_names() -> dict[str, str]:
     inst = random._inst  # type: ignore[attr-defined]
-    return [
-        n
+    return {
+        n: n
         for n in dir(random)
         if not n.startswith("_") and getattr(getattr(random, n), "__self__", None) is inst
-    ]
+    }
 
 
 def _numpy_names(nprandom: Any) -> dict[str, str]:
@@ -56,9 +60,10 @@ def _python_generator() -> Any:
     return gen
 
 
-def _numpy_generator(nprandom: Any) -> Any:
+def _numpy_generator() -> Any:
     gen = getattr(_local, "numpy", None)
     if gen is None:
+        nprandom = sys.modules["numpy.random"]
         gen = nprandom.RandomState()
         gen.set_state(nprandom.mtrand._rand.get_state())
         _local.numpy = gen
@@ -77,24 +82,41 @@ def _router(original: Callable[..., Any], method: str, pick: Callable[[], Any]) 
     return routed
 
 
-def install() -> list[tuple[Any, str, Any]]:
-    """Route the module-level RNG functions per rank; returns what :func:`uninstall` restores."""
-    saved: list[tuple[Any, str, Any]] = []
-    for name in _python_names():
-        original = getattr(random, name)
-        saved.append((random, name, original))
-        setattr(random, name, _router(original, name, _python_generator))
+def _plan() -> list[_Route]:
+    modules: list[tuple[Any, dict[str, str], Callable[[], Any]]] = [
+        (random, _python_names(), _python_generator)
+    ]
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:
-        for name, method in _numpy_names(nprandom).items():
-            original = getattr(nprandom, name)
-            saved.append((nprandom, name, original))
-            setattr(nprandom, name, _router(original, method, lambda: _numpy_generator(nprandom)))
-    return saved
+        modules.append((nprandom, _numpy_names(nprandom), _numpy_generator))
+    plan = []
+    for module, names, pick in modules:
+        for name, method in names.items():
+            original = getattr(module, name)
+            route = _routes.get((id(module), name))
+            if route is None or route[2] is not original:
+                route = (module, name, original, _router(original, method, pick))
+                _routes[(id(module), name)] = route
+            plan.append(route)
+    return plan
 
 
-def uninstall(saved: list[tuple[Any, str, Any]]) -> None:
-    for module, name, original in reversed(saved):
+_plans: dict[tuple[int, int], list[_Route]] = {}
+
+
+def install() -> list[_Route]:
+    """Route the module-level RNG functions per rank; returns what :func:`uninstall` restores."""
+    key = (id(random.random), id(sys.modules.get("numpy.random")))
+    plan = _plans.get(key)
+    if plan is None or any(getattr(m, n) is not orig for m, n, orig, _ in plan):
+        plan = _plans[key] = _plan()
+    for module, name, _, routed in plan:
+        setattr(module, name, routed)
+    return plan
+
+
+def uninstall(plan: list[_Route]) -> None:
+    for module, name, original, _ in reversed(plan):
         setattr(module, name, original)
 
 

@@ -137,18 +137,14 @@ def _environ_snapshot() -> dict[Any, Any]:
 
 
 def _restore_environ(saved: dict[Any, Any]) -> None:
-    if _environ_snapshot() == saved:
+    current = _environ_snapshot()
+    if current == saved:
         return
     environ = os.environ
-    decode = getattr(environ, "decodekey", None), getattr(environ, "decodevalue", None)
-    wanted = {
-        (decode[0](k) if decode[0] and isinstance(k, bytes) else k): (
-            decode[1](v) if decode[1] and isinstance(v, bytes) else v
-        )
-        for k, v in saved.items()
-    }
-    for key in [k for k in environ if k not in wanted]:
-        del environ[key]
-    for key, value in wanted.items():
-        if environ.get(key) != value:
-            environ[key] = value
+    decode_key = getattr(environ, "decodekey", lambda k: k)
+    decode_value = getattr(environ, "decodevalue", lambda v: v)
+    for key in current.keys() - saved.keys():
+        del environ[decode_key(key)]
+    for key, value in saved.items():
+        if current.get(key) != value:
+            environ[decode_key(key)] = decode_value(value)

@@ -185,11 +185,7 @@ class _World:
     def _start(self) -> None:
         self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
-        if self.num_threads is not None:
-            # Threads take the intra-op thread count last set anywhere in the process;
-            # setting it here (ProcessState restores the caller's) spares each rank
-            # thread OpenMP's ~100 us per-thread start-up until it runs a torch op.
-            torch.set_num_threads(self.num_threads)
+
         self.cpu = _current_cpu() if self.scheduler.serialize else None
         if self.scheduler.serialize:
             initial = torch.get_rng_state()
@@ -256,6 +252,8 @@ class _World:
     def _rank_body(self, rank: int) -> None:
         context = RankContext(rank, self.world_size, self.scheduler, self.rendezvous)
         bind_rank(context)
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)  # per thread; ProcessState restores the default
         if self.cpu is not None:
             # Serialized ranks never run at once, so one core loses nothing, and
             # keeps torch's per-thread state warm in one cache across hand-overs
