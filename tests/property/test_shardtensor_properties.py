@@ -33,7 +33,9 @@ class Case:
     dtype: torch.dtype
 
     def __repr__(self) -> str:
-        return f"Case(mesh={self.mesh}, shape={self.shape}, src={self.src}, dst={self.dst}, dtype={self.dtype})"
+        return (
+            f"Case(mesh={self.mesh}, shape={self.shape}, src={self.src}, dst={self.dst}, dtype={self.dtype})"
+        )
 
 
 @st.composite
@@ -62,7 +64,9 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(mesh, shape, src, dst, dtype)
 
 
-def reference_piece(full: torch.Tensor, coords: list[int], mesh: tuple[int, ...], where: tuple[Placement, ...]) -> torch.Tensor:
+def reference_piece(
+    full: torch.Tensor, coords: list[int], mesh: tuple[int, ...], where: tuple[Placement, ...]
+) -> torch.Tensor:
     """This coordinate's shard, cut with torch.chunk (empty where torch.chunk runs out)."""
     piece = full
     for m, p in enumerate(where):
@@ -106,7 +110,9 @@ def _check_world(case: Case) -> list[str]:
     problems: list[str] = []
 
     with meshsim.record() as chunk_ledger:
-        chunked = ShardTensor.from_local(local, mesh, case.src, sharding_shapes="chunk", global_shape=case.shape)
+        chunked = ShardTensor.from_local(
+            local, mesh, case.src, sharding_shapes="chunk", global_shape=case.shape
+        )
     with meshsim.record() as infer_ledger:
         inferred = ShardTensor.from_local(local, mesh, case.src)
     shard_dims = sum(isinstance(p, Shard) for p in case.src)
