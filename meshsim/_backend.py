@@ -150,6 +150,19 @@ def _dtype(tensors: Sequence[Tensor]) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+class _SharedDone:
+    """One completed Work per process, made on first use (torch may not be ready at import)."""
+
+    def __init__(self) -> None:
+        self._work: dist.Work | None = None
+
+    def work(self) -> dist.Work:
+        if self._work is None:
+            self._work = completed_work(None)
+        return self._work
+
+
+_DONE = _SharedDone()
 _OP_NAMES: dict[Any, str] = {}
 
 
@@ -225,6 +238,7 @@ class SimProcessGroup(dist.ProcessGroup):
         reduce_op: str | None = None,
         root: int | None = None,
         result: object = None,
+        opts: Any = None,
     ) -> dist.Work:
         # The rank stays inside this call until every rank has arrived, which is
         # whenever an error needs the site: keep the frame, format it only then.
@@ -242,6 +256,10 @@ class SimProcessGroup(dist.ProcessGroup):
         context = self._context
         slot = context.rendezvous.arrive(self._group, seq, call)
         context.scheduler.wait(context.rank, slot)
+        if opts is not None and getattr(opts, "asyncOp", True) is False:
+            # dist.*(async_op=False) waits on this Work and drops it: one shared,
+            # completed Work spares a Future per rank per call
+            return _DONE.work()
         return completed_work(result)
 
     def _check_reduce(self, op: str, tensors: Sequence[Tensor], api: str) -> None:
@@ -277,6 +295,7 @@ class SimProcessGroup(dist.ProcessGroup):
             ledger=lambda: (_dtype(tensors), _nbytes(tensors), _nbytes(tensors)),
             reduce_op=op,
             result=tensors,
+            opts=opts,
         )
 
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -297,6 +316,7 @@ class SimProcessGroup(dist.ProcessGroup):
             reduce_op=op,
             root=root,
             result=tensors,
+            opts=opts,
         )
 
     def reduce_scatter(  # type: ignore[override]
@@ -318,6 +338,7 @@ class SimProcessGroup(dist.ProcessGroup):
             ledger=lambda: (_dtype(outputs), _nbytes(flat_in), _nbytes(outputs)),
             reduce_op=op,
             result=outputs,
+            opts=opts,
         )
 
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
@@ -349,6 +370,7 @@ class SimProcessGroup(dist.ProcessGroup):
             ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(outputs)),
             reduce_op=op,
             result=outputs,
+            opts=opts,
         )
 
     # -- gathers ------------------------------------------------------------------
@@ -357,7 +379,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
         output_lists, inputs = [list(x) for x in output_lists], list(inputs)
-        return self._all_gather(output_lists, inputs, "all_gather")
+        return self._all_gather(output_lists, inputs, "all_gather", opts)
 
     def allgather_coalesced(
         self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
@@ -365,9 +387,11 @@ class SimProcessGroup(dist.ProcessGroup):
         # c10d's all_gather_coalesced passes one list per rank, each with every input;
         # regroup to one list per input, each with every rank, as allgather takes.
         per_input = [[rank_list[j] for rank_list in output_lists] for j in range(len(inputs))]
-        return self._all_gather(per_input, list(inputs), "all_gather_coalesced")
+        return self._all_gather(per_input, list(inputs), "all_gather_coalesced", opts)
 
-    def _all_gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], api: str) -> dist.Work:
+    def _all_gather(
+        self, output_lists: list[list[Tensor]], inputs: list[Tensor], api: str, opts: Any
+    ) -> dist.Work:
         self._check_lists(output_lists, inputs, api, "output")
         flat_out = [t for lst in output_lists for t in lst]
         return self._collective(
@@ -380,10 +404,11 @@ class SimProcessGroup(dist.ProcessGroup):
             compat=_ops.all_gather_compat,
             ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(flat_out)),
             result=output_lists,
+            opts=opts,
         )
 
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
-        return self._all_gather_into_tensor([output], [input], "all_gather_into_tensor")
+        return self._all_gather_into_tensor([output], [input], "all_gather_into_tensor", opts)
 
     _allgather_base = all_gather_single
 
@@ -391,11 +416,13 @@ class SimProcessGroup(dist.ProcessGroup):
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
         api = "all_gather_into_tensor" if len(outputs) == 1 else "all_gather_into_tensor_coalesced"
-        return self._all_gather_into_tensor(list(outputs), list(inputs), api)
+        return self._all_gather_into_tensor(list(outputs), list(inputs), api, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def _all_gather_into_tensor(self, outputs: list[Tensor], inputs: list[Tensor], api: str) -> dist.Work:
+    def _all_gather_into_tensor(
+        self, outputs: list[Tensor], inputs: list[Tensor], api: str, opts: Any
+    ) -> dist.Work:
         self._check_sized(inputs, outputs, api, "output", "input")
         return self._collective(
             op="all_gather",
@@ -406,6 +433,7 @@ class SimProcessGroup(dist.ProcessGroup):
             execute=_ops.all_gather_into_tensor,
             ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(outputs)),
             result=outputs,
+            opts=opts,
         )
 
     def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -425,6 +453,7 @@ class SimProcessGroup(dist.ProcessGroup):
             ledger=lambda: (inputs[0].dtype, _nbytes(inputs), _nbytes(outputs) if outputs else 0),
             root=root,
             result=outputs,
+            opts=opts,
         )
 
     def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -444,6 +473,7 @@ class SimProcessGroup(dist.ProcessGroup):
             ledger=lambda: (outputs[0].dtype, _nbytes(inputs) if inputs else 0, _nbytes(outputs)),
             root=root,
             result=outputs,
+            opts=opts,
         )
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -462,6 +492,7 @@ class SimProcessGroup(dist.ProcessGroup):
             ledger=lambda: (_dtype(tensors), nbytes if is_root else 0, 0 if is_root else nbytes),
             root=root,
             result=tensors,
+            opts=opts,
         )
 
     # -- all to all -----------------------------------------------------------------
@@ -489,6 +520,7 @@ class SimProcessGroup(dist.ProcessGroup):
             compat=_ops.all_to_all_single_compat if size > 1 else None,
             ledger=lambda: (input.dtype, _nbytes([input]), _nbytes([output])),
             result=[output],
+            opts=opts,
         )
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
@@ -511,6 +543,7 @@ class SimProcessGroup(dist.ProcessGroup):
             compat=_ops.all_to_all_compat,
             ledger=lambda: (_dtype(inputs), _nbytes(inputs), _nbytes(outputs)),
             result=outputs,
+            opts=opts,
         )
 
     def barrier(self, opts: Any = None) -> dist.Work:
@@ -522,6 +555,7 @@ class SimProcessGroup(dist.ProcessGroup):
             payload=None,
             execute=_ops.barrier,
             ledger=lambda: (None, 0, 0),
+            opts=opts,
         )
 
     # -- point to point -------------------------------------------------------------

@@ -37,37 +37,40 @@ class RankState:
     cuda_rng: list[torch.Tensor] | None
     default_dtype: torch.dtype
     env: dict[str, str] = field(default_factory=dict)
+    rank_env: list[tuple[Any, Any]] = field(default_factory=list)  # RANK, LOCAL_RANK, encoded
 
     @classmethod
     def fresh(cls, rank: int, world_size: int) -> RankState:
         """Rank ``rank``'s starting state: the caller's RNG and dtype, as after a fork."""
         text = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+        env = {k: str(v) for k, v in text.items()}
         return cls(
             rank,
             world_size,
             torch.get_rng_state(),
             _cuda_rng(),
             torch.get_default_dtype(),
-            {k: str(v) for k, v in text.items()},
+            env,
+            _encoded({k: env[k] for k in _PER_RANK_ENV}),
         )
 
     def save(self) -> None:
-        """Remember the process's current values as this rank's."""
-        self.rng = torch.get_rng_state()
+        """Remember the process's current values as this rank's (runs at every hand-over)."""
+        self.rng = torch.default_generator.get_state()
         if self.cuda_rng is not None or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             self.cuda_rng = _cuda_rng()
         self.default_dtype = torch.get_default_dtype()
 
     def load(self) -> None:
         """Make this rank's values the process's current ones (runs at every hand-over)."""
-        torch.set_rng_state(self.rng)
+        torch.default_generator.set_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
-        environ = os.environ
-        for key in _PER_RANK_ENV:  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
-            environ[key] = self.env[key]
+        _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+
+
 
     def load_world_env(self) -> None:
         """Set the environment every rank shares (once, before any rank runs)."""
@@ -127,6 +130,27 @@ class ProcessState:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
         torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
+
+
+def _encoded(values: dict[str, str]) -> list[tuple[Any, Any]]:
+    environ = os.environ
+    encode_key = getattr(environ, "encodekey", None)
+    encode_value = getattr(environ, "encodevalue", None)
+    if encode_key is None or encode_value is None or not isinstance(getattr(environ, "_data", None), dict):
+        return list(values.items())
+    return [(encode_key(k), encode_value(v)) for k, v in values.items()]
+
+
+def _set_environ(pairs: list[tuple[Any, Any]]) -> None:
+    """Set variables with os.environ's own encoding done once (this runs at every hand-over)."""
+    data = getattr(os.environ, "_data", None)
+    for key, value in pairs:
+        if isinstance(key, bytes) and isinstance(data, dict):
+            if data.get(key) != value:
+                os.putenv(key, value)
+                data[key] = value
+        else:
+            os.environ[key] = value
 
 
 def _environ_snapshot() -> dict[Any, Any]:
