@@ -13,6 +13,7 @@ import ctypes
 import datetime
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +50,8 @@ __all__ = ["run"]
 
 BACKENDS = ("sim", "gloo")
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
+_INTERRUPT_AFTER = 0.05  # seconds before interrupting them: most leave at their next collective
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def run(
@@ -208,16 +211,22 @@ class _World:
             scheduler.check_timeout(self.timeout)
 
     def _stop(self) -> None:
-        """Wait for every rank thread; interrupt ranks still running user code after an abort."""
-        deadline = time.monotonic() + _STOP_GRACE
+        """Wait for every rank thread; after an abort, interrupt ranks still running user code."""
+        # gloo ranks blocked in C++ cannot be interrupted, but gloo's own timeout
+        # (the world's) releases them: wait that long rather than leave them behind.
+        grace = _STOP_GRACE if self.backend == "sim" else self.timeout + _STOP_GRACE
+        start = time.monotonic()
+        interrupted: set[int] = set()
         for thread in self.threads:
             while thread.is_alive():
                 thread.join(0.01)
                 if self.scheduler.error is None or not thread.is_alive():
                     continue
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - start
+                if waited > grace:
                     break
-                _interrupt(self.scheduler.running_idents())
+                if waited > _INTERRUPT_AFTER:
+                    _interrupt(self.scheduler.running_idents(), interrupted)
         self.stuck = [r for r, t in enumerate(self.threads) if t.is_alive()]
 
     def _outcome(self) -> list[Any]:
@@ -332,7 +341,28 @@ def _current_cpu() -> int | None:
     return cpu
 
 
-def _interrupt(idents: Sequence[int]) -> None:
-    """Raise :class:`WorldAborted` in threads running Python code (CPython only)."""
+def _interrupt(idents: Sequence[int], done: set[int]) -> None:
+    """Raise :class:`WorldAborted` once in each rank thread that is at a safe point.
+
+    An exception raised asynchronously inside an import corrupts the module's
+    import lock (every later importer of that module then blocks forever), and
+    one raised inside meshsim's own machinery or a second time during clean-up
+    would break the clean-up: so only once, and only in user or torch code.
+    """
+    frames = sys._current_frames()
     for ident in idents:
+        if ident in done or not _safe_point(frames.get(ident)):
+            continue
+        done.add(ident)
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(WorldAborted))
+
+
+def _safe_point(frame: Any) -> bool:
+    if frame is None or frame.f_code.co_filename.startswith(_HERE):
+        return False
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith("<frozen importlib") or f"{os.sep}importlib{os.sep}" in name:
+            return False
+        frame = frame.f_back
+    return True

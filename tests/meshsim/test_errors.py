@@ -329,3 +329,49 @@ def test_local_argument_errors_name_the_values() -> None:
         "all_gather_into_tensor: the output tensor float32[5] must hold 2 times the elements "
         "of the input tensor float32[2] (4), got 5"
     )
+
+
+def test_interrupting_ranks_never_breaks_an_import(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (found by the fault-injection campaign): ranks still running after a
+    failure were interrupted with an asynchronous exception even inside an import; one
+    landing in importlib's own code leaves the module's import lock held, and every later
+    import of the module (torch._dynamo, first imported by dist.broadcast) blocked forever.
+    A thread that is importing is now never interrupted."""
+    import sys
+    import threading
+    import traceback
+    from pathlib import Path
+
+    from meshsim import _world
+
+    folder = Path(str(tmp_path))
+    (folder / "meshsim_blocking_import.py").write_text(
+        "import meshsim_gate\nmeshsim_gate.wait(30)\n"
+    )
+    gate = threading.Event()
+    monkeypatch.setitem(sys.modules, "meshsim_gate", gate)
+    monkeypatch.syspath_prepend(str(folder))
+    errors: list[BaseException] = []
+
+    def importer() -> None:
+        try:
+            import meshsim_blocking_import  # noqa: F401
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=importer)
+    thread.start()
+    try:
+        for _ in range(1000):  # until the thread is inside the module's import
+            frame = sys._current_frames().get(thread.ident or 0)
+            files = [entry.filename for entry in traceback.extract_stack(frame)] if frame else []
+            if any("meshsim_blocking_import" in name for name in files):
+                break
+            time.sleep(0.005)
+        assert not _world._safe_point(sys._current_frames()[thread.ident or 0])
+        _world._interrupt([thread.ident or 0], set())  # must decline: the thread is importing
+    finally:
+        gate.set()
+        thread.join(30)
+        sys.modules.pop("meshsim_blocking_import", None)
+    assert errors == []
