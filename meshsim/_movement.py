@@ -10,6 +10,7 @@ return the :class:`Problem` s they find, each naming the ranks involved.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -90,9 +91,17 @@ def _sum(stacked: Tensor) -> Tensor:
     return stacked.sum(0, dtype=stacked.dtype)  # integers wrap as on the wire
 
 
+def _mean(stacked: Tensor) -> Tensor:
+    # Complex means divide the real and imaginary sums by n, as they do when torch hands a
+    # complex tensor over as real pairs: a complex division could be an ulp off.
+    if stacked.dtype.is_complex:
+        return torch.view_as_complex(torch.view_as_real(stacked).mean(0))
+    return stacked.mean(0)
+
+
 _REDUCERS: dict[str, Callable[[Tensor], Tensor]] = {
     "SUM": _sum,
-    "AVG": lambda s: s.mean(0),
+    "AVG": _mean,
     "PRODUCT": lambda s: s.prod(0, dtype=s.dtype),
     "MIN": lambda s: s.amin(0),
     "MAX": lambda s: s.amax(0),
@@ -153,11 +162,17 @@ def compat_all_to_all_single(
             if sent != expected:
                 text = f"rank {dst} expects {expected} rows from rank {src}, which sends {sent}"
                 problems.append(Problem(text, (dst, src)))
-    rows = input_shapes[0][1:]
+    # The odd ones out are the ranks whose rows differ from most ranks' (not from rank 0's:
+    # rank 0 may be the odd one). Ties go to rank 0's input rows.
+    seen = [input_shapes[r][1:] for r in range(n)] + [output_shapes[r][1:] for r in range(n)]
+    tally = Counter(seen)
+    rows = max(tally, key=lambda shape: (tally[shape], shape == seen[0]))
     for r in range(n):
         for what, shape in (("sends", input_shapes[r][1:]), ("receives", output_shapes[r][1:])):
             if shape != rows:
-                text = f"rank {r} {what} rows of shape {list(shape)}, rank 0 sends rows of shape {list(rows)}"
+                text = (
+                    f"rank {r} {what} rows of shape {list(shape)}, most ranks' rows have shape {list(rows)}"
+                )
                 problems.append(Problem(text, (r,)))
     return problems
 

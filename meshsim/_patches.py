@@ -7,6 +7,7 @@ where it is made: here.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ class _Patches:
         self.worlds = tp.install_thread_worlds()
         saved["autograd threads"] = tp.disable_autograd_threads()
         saved["mesh init"] = tp.patch_device_mesh()
+        saved["default timeout"] = tp.patch_default_timeout()
         saved["a2a"] = tp.patch_dtensor_cpu_alltoall()
         saved["backend"] = tp.register_backend(backend_name, creator)
         saved["rng"] = _rng.install()
@@ -50,6 +52,7 @@ class _Patches:
         _rng.uninstall(saved["rng"])
         tp.unregister_backend(saved["backend"])
         tp.unpatch_dtensor_cpu_alltoall(saved["a2a"])
+        tp.unpatch_default_timeout(saved["default timeout"])
         tp.unpatch_device_mesh(saved["mesh init"])
         tp.restore_autograd_threads(saved["autograd threads"])
         tp.uninstall_thread_worlds(self.worlds)
@@ -76,15 +79,17 @@ def process_global_patches(backend_name: str, creator: Callable[..., Any]) -> It
 
 
 @contextmanager
-def rank_thread(*, gpu_paths: bool) -> Iterator[None]:
+def rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | None = None) -> Iterator[None]:
     """Make the calling thread a rank: its own c10d world, RNGs and mesh identity.
+
+    ``group_timeout``: the timeout of the groups the rank makes without one.
 
     Must run inside :func:`process_global_patches`.
     """
     worlds = _PATCHES.worlds
     if worlds is None:
         raise RuntimeError("meshsim internal error: rank_thread() outside a world")
-    _torch_private.enter_rank_thread(worlds, gpu_paths=gpu_paths)
+    _torch_private.enter_rank_thread(worlds, gpu_paths=gpu_paths, group_timeout=group_timeout)
     _rng.enter_rank()
     try:
         yield

@@ -13,6 +13,7 @@ collectives they desugar into are seen on plain tensors, as on the simulated bac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -248,6 +249,7 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         super().__init__()  # type: ignore[no-untyped-call]
         self._seq: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, ...]] = {}
+        self.entered = 0.0  # time.monotonic() when this rank last entered a collective
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -261,6 +263,7 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             # refusals would fail every DTensor operator.
             return NotImplemented
         site = _ledger.call_site(2)
+        self.entered = time.monotonic()
         out = func(*args, **kwargs)
         seen = handler(args, kwargs.get("out", out))
         for one in seen if isinstance(seen, list) else [seen]:
@@ -288,6 +291,8 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         tensors = list(seen.tensors_in) or list(seen.tensors_out)
         dtypes = {t.dtype for t in tensors}
         dtype = dtypes.pop() if len(dtypes) == 1 else None
+        if dtype is not None and dtype.is_complex and _viewed_as_real(seen):
+            dtype = dtype.to_real()
         return Collective(
             seen.op, seen.api, ranks, dtype, bytes_in, bytes_out, seen.reduce_op, seq, site, peer
         )
@@ -299,6 +304,18 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if ranks is None:
             ranks = self._ranks[name] = tuple(dist.get_process_group_ranks(pg))
         return name, ranks, pg.rank()
+
+
+# Single-tensor collectives that c10d's C++ layer hands to the backend as real pairs
+# when given complex tensors (c10d::isComplexViewAsRealAllowed: no reduce op, SUM, AVG,
+# PREMUL_SUM). ``dist.*`` does the same in Python, before the dispatcher; functional
+# collectives do it below it, so their complex dtype must be translated here to match
+# what reaches the wire (and the simulated backend's record). Checked on torch 2.13.
+_VIEW_AS_REAL_APIS = frozenset({"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"})
+
+
+def _viewed_as_real(seen: _Seen) -> bool:
+    return seen.api in _VIEW_AS_REAL_APIS and seen.reduce_op in (None, "SUM", "AVG", "PREMUL_SUM")
 
 
 def _rooted_bytes(seen: _Seen, me: int, bytes_in: int, bytes_out: int) -> tuple[int, int]:

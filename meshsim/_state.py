@@ -70,8 +70,6 @@ class RankState:
             torch.set_default_dtype(self.default_dtype)
         _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
 
-
-
     def load_world_env(self) -> None:
         """Set the environment every rank shares (once, before any rank runs)."""
         for key, value in self.env.items():

@@ -8,6 +8,7 @@ comes as a pair (install, uninstall); :mod:`meshsim._patches` applies them.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import sys
 import threading
@@ -125,8 +126,13 @@ def restore_autograd_threads(previous: bool) -> None:
     torch._C._set_multithreading_enabled(previous)
 
 
-def enter_rank_thread(worlds: _ThreadWorlds, *, gpu_paths: bool) -> None:
-    """Give the calling thread its own c10d world and mark it as a rank for the patches below."""
+def enter_rank_thread(
+    worlds: _ThreadWorlds, *, gpu_paths: bool, group_timeout: datetime.timedelta | None = None
+) -> None:
+    """Give the calling thread its own c10d world and mark it as a rank for the patches below.
+
+    ``group_timeout``: the timeout of groups made without one (``new_group``, meshes).
+    """
     worlds._local.world = _RankWorld()
     # DeviceMesh hashes and compares by _thread_id; a unique token per rank thread
     # keeps torch's process-wide redistribute-plan cache from handing one rank's
@@ -134,12 +140,35 @@ def enter_rank_thread(worlds: _ThreadWorlds, *, gpu_paths: bool) -> None:
     # after a thread ends, so they are not unique enough.
     _rank.token = next(_TOKENS)
     _rank.gpu_paths = gpu_paths
+    _rank.group_timeout = group_timeout
 
 
 def leave_rank_thread(worlds: _ThreadWorlds) -> None:
     _rank.token = None
     _rank.gpu_paths = False
+    _rank.group_timeout = None
     worlds._local.world = None
+
+
+def patch_default_timeout() -> Callable[[Any], datetime.timedelta]:
+    """Groups a rank thread makes without a timeout get its world's, not c10d's 30 minutes.
+
+    ``new_group`` and ``init_device_mesh`` look the default up through the module
+    function ``_get_default_timeout``; a gloo peer blocked on a failed rank waits that
+    long, longer than a world may last.
+    """
+    original = cast(Callable[[Any], datetime.timedelta], c10d._get_default_timeout)
+
+    def default_timeout(backend: Any) -> datetime.timedelta:
+        override = getattr(_rank, "group_timeout", None)
+        return override if override is not None else original(backend)
+
+    c10d._get_default_timeout = default_timeout
+    return original
+
+
+def unpatch_default_timeout(original: Callable[[Any], datetime.timedelta]) -> None:
+    c10d._get_default_timeout = original  # type: ignore[assignment]
 
 
 def patch_device_mesh() -> Callable[..., None]:

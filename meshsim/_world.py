@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,7 +82,10 @@ def run(
         timeout: seconds the world may go without progress while some rank waits
             (a rank stuck in its own code while others wait for it).
         backend: ``"sim"`` (in-memory, checked, the default) or ``"gloo"`` (a real
-            ``ProcessGroupGloo`` per rank over 127.0.0.1, for fidelity checks).
+            ``ProcessGroupGloo`` per rank over 127.0.0.1, for fidelity checks). On
+            gloo, groups made without a timeout get ``timeout``; when a rank fails,
+            the locals of its traceback's frames are cleared (the text is kept), so
+            that its groups close and peers blocked on it are released.
         serialize: run one rank at a time, handing over only at collectives, so runs
             are deterministic and each rank has its own RNG state and ``RANK``
             environment. ``False`` runs ranks concurrently and shares them.
@@ -168,6 +172,7 @@ class _World:
         self.group_store: Store | None = None
         self.stuck: list[int] = []
         self.cpu: int | None = None
+        self.recorders: list[DispatchRecorder] = []  # gloo: when each rank last entered a collective
 
     # -- the caller's side ----------------------------------------------------------
 
@@ -212,9 +217,6 @@ class _World:
 
     def _stop(self) -> None:
         """Wait for every rank thread; after an abort, interrupt ranks still running user code."""
-        # gloo ranks blocked in C++ cannot be interrupted, but gloo's own timeout
-        # (the world's) releases them: wait that long rather than leave them behind.
-        grace = _STOP_GRACE if self.backend == "sim" else self.timeout + _STOP_GRACE
         start = time.monotonic()
         interrupted: set[int] = set()
         for thread in self.threads:
@@ -222,12 +224,22 @@ class _World:
                 thread.join(0.01)
                 if self.scheduler.error is None or not thread.is_alive():
                     continue
-                waited = time.monotonic() - start
-                if waited > grace:
+                now = time.monotonic()
+                if now > self._give_up_at(start):
                     break
-                if waited > _INTERRUPT_AFTER:
+                if now - start > _INTERRUPT_AFTER:
                     _interrupt(self.scheduler.running_idents(), interrupted)
         self.stuck = [r for r, t in enumerate(self.threads) if t.is_alive()]
+
+    def _give_up_at(self, start: float) -> float:
+        """When a stopping world stops waiting for its rank threads and leaves them behind."""
+        if self.backend == "sim":
+            return start + _STOP_GRACE
+        # gloo ranks blocked in C++ cannot be interrupted, but the groups' timeout (the
+        # world's, see rank_thread) releases each collective that long after it began;
+        # one may begin after the stop did (a rank finishing a slow first import).
+        began = max([start, *(recorder.entered for recorder in self.recorders)])
+        return min(began, start + self.timeout) + self.timeout + _STOP_GRACE
 
     def _outcome(self) -> list[Any]:
         error = self.scheduler.error
@@ -253,7 +265,8 @@ class _World:
 
     def _rank_main(self, rank: int) -> None:
         try:
-            with _patches.rank_thread(gpu_paths=self.gpu_paths):
+            timeout = datetime.timedelta(seconds=self.timeout)
+            with _patches.rank_thread(gpu_paths=self.gpu_paths, group_timeout=timeout):
                 self._rank_body(rank)
         except WorldAborted:
             pass  # interrupted while leaving; the world already failed
@@ -269,7 +282,10 @@ class _World:
             # (torch calls right after a hand-over ran ~3x slower without it).
             os.sched_setaffinity(0, {self.cpu})
         outcome = "finished: its function returned"
-        recorder = DispatchRecorder() if self.backend == "gloo" else contextlib.nullcontext()
+        recorder: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.backend == "gloo":
+            recorder = DispatchRecorder()
+            self.recorders.append(recorder)
         try:
             self.scheduler.start(rank)
             with recorder:
@@ -279,11 +295,13 @@ class _World:
                 try:
                     self._init_process_group(context)
                     self.results[rank] = self.fn(*self.args, **self.kwargs)
-                except WorldAborted:
+                except WorldAborted as exc:
                     outcome = "stopped: the world failed"
+                    self._let_go(exc)
                 except BaseException as exc:
                     outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
                     self._rank_failed(rank, exc)
+                    self._let_go(exc)
                 finally:
                     self._destroy_process_groups()
         except WorldAborted:
@@ -323,11 +341,38 @@ class _World:
         self.failures.append((rank, exc, text))
         self.scheduler.abort(RankError(rank, self.world_size, text))
 
+    def _let_go(self, exc: BaseException) -> None:
+        """On gloo, drop the references a failed or stopped rank's frames hold to its groups."""
+        if self.backend == "gloo":
+            _drop_frame_locals(exc)
+
     def _switch_out(self, rank: int) -> None:
         self.states[rank].save()
 
     def _switch_in(self, rank: int) -> None:
         self.states[rank].load()
+
+
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of the frames ``exc`` (and its cause and context) passed through.
+
+    A gloo group closes its connections only when its last reference goes, and a
+    failed rank's frames often hold one (``group = dist.new_group(...)``, or torch's
+    own frames of the collective it was in): while they do, the peers blocked in a
+    collective with this rank wait out the group's timeout instead of failing at once
+    on the closed connection. The traceback's text was taken before this, so only
+    locals are lost.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+        pending += getattr(current, "exceptions", ())  # an ExceptionGroup's members
 
 
 def _current_cpu() -> int | None:
