@@ -1,0 +1,38 @@
+"""Hypothesis glue for the property tests: which profile a property runs under, and drawing a case."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from faults import Case, draw_case
+from hypothesis import note, settings
+from hypothesis import strategies as st
+from programs import HypothesisSource
+from worlds import leftovers, next_world_problems, snapshot
+
+PROFILES = ("property", "thorough")  # registered in the root conftest.py
+
+
+def profile(share: float = 1.0) -> settings:
+    """The loaded profile if the root conftest.py registered it (--hypothesis-profile), else ``property``,
+    with ``share`` of its examples (for the slower properties)."""
+    name = settings.get_current_profile_name()
+    chosen = settings.get_profile(name if name in PROFILES else "property")
+    return settings(chosen, max_examples=max(1, round(chosen.max_examples * share)))
+
+
+def draw(data: st.DataObject, *, kinds: Sequence[str] = (), gloo: bool = False) -> Case:
+    """A case drawn through hypothesis (so that failures shrink), printed if the test fails."""
+    case = draw_case(HypothesisSource(data.draw), kinds=kinds, gloo=gloo)
+    note(str(case))
+    return case
+
+
+@contextmanager
+def leaves_no_trace(backend: str = "sim") -> Iterator[None]:
+    """Property 3: the process is as before the block, and the next world runs correctly."""
+    before = snapshot()
+    yield
+    assert leftovers(before, snapshot()) == []
+    assert next_world_problems(backend) == []
