@@ -345,9 +345,7 @@ def test_interrupting_ranks_never_breaks_an_import(tmp_path: object, monkeypatch
     from meshsim import _world
 
     folder = Path(str(tmp_path))
-    (folder / "meshsim_blocking_import.py").write_text(
-        "import meshsim_gate\nmeshsim_gate.wait(30)\n"
-    )
+    (folder / "meshsim_blocking_import.py").write_text("import meshsim_gate\nmeshsim_gate.wait(30)\n")
     gate = threading.Event()
     monkeypatch.setitem(sys.modules, "meshsim_gate", gate)
     monkeypatch.syspath_prepend(str(folder))
