@@ -42,6 +42,7 @@ class _Seen:
     reduce_op: str | None = None
     root: int | None = None  # group rank of the root of a rooted collective
     peer: int | None = None  # group rank of the other end of a send or recv (-1: any)
+    functional: bool = False  # a _c10d_functional operator (funcol), not a c10d one (dist.*)
 
 
 def _count_api(name: str, count: int) -> str:
@@ -267,6 +268,7 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         out = func(*args, **kwargs)
         seen = handler(args, kwargs.get("out", out))
         for one in seen if isinstance(seen, list) else [seen]:
+            one.functional = func.namespace == "_c10d_functional"
             self._note(one, site)
         return out
 
@@ -306,16 +308,21 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         return name, ranks, pg.rank()
 
 
-# Single-tensor collectives that c10d's C++ layer hands to the backend as real pairs
-# when given complex tensors (c10d::isComplexViewAsRealAllowed: no reduce op, SUM, AVG,
-# PREMUL_SUM). ``dist.*`` does the same in Python, before the dispatcher; functional
-# collectives do it below it, so their complex dtype must be translated here to match
-# what reaches the wire (and the simulated backend's record). Checked on torch 2.13.
+# Single-tensor functional collectives whose complex tensors c10d's C++ layer hands to
+# the backend as real pairs (c10d::isComplexViewAsRealAllowed: no reduce op, SUM, AVG,
+# PREMUL_SUM), below the dispatcher: their dtype is translated here to match what
+# reaches the wire (and the simulated backend's record). ``dist.all_reduce`` and
+# friends view as real in Python, before the dispatcher; ``dist.reduce_scatter_tensor``
+# does not, and its complex tensors reach the wire as they are. Checked on torch 2.13.
 _VIEW_AS_REAL_APIS = frozenset({"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"})
 
 
 def _viewed_as_real(seen: _Seen) -> bool:
-    return seen.api in _VIEW_AS_REAL_APIS and seen.reduce_op in (None, "SUM", "AVG", "PREMUL_SUM")
+    return (
+        seen.functional
+        and seen.api in _VIEW_AS_REAL_APIS
+        and seen.reduce_op in (None, "SUM", "AVG", "PREMUL_SUM")
+    )
 
 
 def _rooted_bytes(seen: _Seen, me: int, bytes_in: int, bytes_out: int) -> tuple[int, int]:

@@ -72,6 +72,24 @@ def test_gloo_ledger_of_functional_collectives_on_complex_tensors_matches_sim() 
     assert [dtype for _, dtype, _, _ in sim[0]] == [torch.float32] * 5 + [torch.complex64]
 
 
+def test_gloo_ledger_of_dist_reduce_scatter_tensor_on_complex_tensors_stays_complex() -> None:
+    """Found by the soak after the fix above: dist.reduce_scatter_tensor, unlike
+    dist.all_reduce, hands complex tensors to the backend as they are, and the gloo
+    ledger translated its dtype to float32 as for the functional collectives."""
+
+    def body() -> list[tuple[object, ...]]:
+        x = torch.ones(4, dtype=torch.complex64)
+        with meshsim.record() as ledger:
+            dist.reduce_scatter_tensor(torch.empty(2, dtype=x.dtype), x, op=dist.ReduceOp.AVG)
+            dist.reduce_scatter_tensor(torch.empty(2, dtype=x.dtype), x, async_op=True).wait()
+            dist.all_reduce(x)  # viewed as real pairs by dist.all_reduce itself
+        return ledger.project("api", "dtype", "bytes_in", "bytes_out")
+
+    gloo, sim = meshsim.run(body, 2, backend="gloo"), meshsim.run(body, 2)
+    assert gloo == sim
+    assert [dtype for _, dtype, _, _ in sim[0]] == [torch.complex64, torch.complex64, torch.float32]
+
+
 def _meshsim_rank_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("meshsim-rank-")]
 
