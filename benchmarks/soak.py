@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/soak.py --cases 10000 [--seed S] [--gloo-every N]`` (or ``tox -e soak``).
 
-Each case is a generated SPMD program (tests/property/programs.py), three in four with
+Each case is a generated SPMD program (tests/property/programs.py and runs.py), three in four with
 a fault injected into one rank (tests/property/faults.py says what meshsim must then
 report). Every case is judged as the property tests judge it: results and ledgers
 equal the reference, or the right error naming the right rank and call site; and the

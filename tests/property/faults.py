@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from calls import CallSpec, rank_calls
 from programs import (
     DTYPES,
     FAULT_KINDS,
@@ -30,8 +31,6 @@ from programs import (
     REDUCING,
     REGROUPABLE,
     ROOTED,
-    SITES,
-    CallSpec,
     Fault,
     InjectedFault,
     Program,
@@ -40,8 +39,8 @@ from programs import (
     choose,
     draw_program,
     ops_for,
-    rank_calls,
 )
+from runs import SITES
 
 import meshsim
 
@@ -346,7 +345,7 @@ def _check_rank_error(error: meshsim.RankError, expected: Expected) -> list[str]
     if not isinstance(error.__cause__, InjectedFault):
         problems.append(f"__cause__ is {error.__cause__!r}, expected the injected fault")
     line = SITES["raise"].split(":")[1].split(" ")[0]
-    if f'programs.py", line {line}, in _raise_fault' not in str(error):
+    if f'runs.py", line {line}, in _raise_fault' not in str(error):
         problems.append("the traceback does not show the raising line")
     return problems
 

@@ -19,8 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from calls import expected_ledger
 from faults import Case, check_error
-from programs import Program, Step, compare_outputs, expected_ledger, fault_reached, reference, run_rank
+from programs import Program, Step
+from reference import compare_outputs, reference
+from runs import fault_reached, run_rank
 
 import meshsim
 
