@@ -160,7 +160,7 @@ _IMPORTING = """
         dist.broadcast(torch.ones(2), 0)
 
     try:
-        meshsim.run(body, 6, backend="gloo", timeout=5)
+        meshsim.run(body, 6, backend="gloo", timeout=10)
     except meshsim.RankError as error:
         print("rank", error.rank, "notes", getattr(error, "__notes__", []))
     print("alive", [t.name for t in threading.enumerate() if t.name.startswith("meshsim-rank-")])
