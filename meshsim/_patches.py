@@ -8,14 +8,16 @@ where it is made: here.
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from meshsim import _rng, _torch_private
+from meshsim._errors import WorldAborted
 
-__all__ = ["process_global_patches", "rank_thread"]
+__all__ = ["process_global_patches", "rank_thread", "take_swallowed_interrupts"]
 
 
 class _Patches:
@@ -46,9 +48,13 @@ class _Patches:
         saved["a2a"] = tp.patch_dtensor_cpu_alltoall()
         saved["backend"] = tp.register_backend(backend_name, creator)
         saved["rng"] = _rng.install()
+        saved["unraisable"] = sys.unraisablehook
+        sys.unraisablehook = _unraisable_hook
 
     def _uninstall(self) -> None:
         tp, saved = _torch_private, self._saved
+        if sys.unraisablehook is _unraisable_hook:
+            sys.unraisablehook = saved["unraisable"]
         _rng.uninstall(saved["rng"])
         tp.unregister_backend(saved["backend"])
         tp.unpatch_dtensor_cpu_alltoall(saved["a2a"])
@@ -62,6 +68,29 @@ class _Patches:
 
 
 _PATCHES = _Patches()
+
+# Threads in which an interrupt (WorldAborted, raised asynchronously to stop a rank)
+# landed where Python swallows exceptions: a __del__, a weakref or gc callback.
+_SWALLOWED: set[int] = set()
+_SWALLOWED_LOCK = threading.Lock()
+
+
+def _unraisable_hook(unraisable: Any) -> None:
+    """Note and hide a swallowed interrupt (the world interrupts that rank again); pass on the rest."""
+    if isinstance(unraisable.exc_value, WorldAborted) or unraisable.exc_type is WorldAborted:
+        with _SWALLOWED_LOCK:
+            _SWALLOWED.add(threading.get_ident())
+        return
+    previous = _PATCHES._saved.get("unraisable", sys.__unraisablehook__)
+    previous(unraisable)
+
+
+def take_swallowed_interrupts() -> set[int]:
+    """Idents of the threads whose interrupt was swallowed since the last call."""
+    with _SWALLOWED_LOCK:
+        taken = set(_SWALLOWED)
+        _SWALLOWED.clear()
+    return taken
 
 
 @contextmanager

@@ -228,6 +228,7 @@ class _World:
                 if now > self._give_up_at(start):
                     break
                 if now - start > _INTERRUPT_AFTER:
+                    interrupted -= _patches.take_swallowed_interrupts()
                     _interrupt(self.scheduler.running_idents(), interrupted)
         self.stuck = [r for r, t in enumerate(self.threads) if t.is_alive()]
 
@@ -392,7 +393,9 @@ def _interrupt(idents: Sequence[int], done: set[int]) -> None:
     An exception raised asynchronously inside an import corrupts the module's
     import lock (every later importer of that module then blocks forever), and
     one raised inside meshsim's own machinery or a second time during clean-up
-    would break the clean-up: so only once, and only in user or torch code.
+    would break the clean-up: so only once, and only in user or torch code. One
+    that Python swallowed (it landed in a ``__del__`` or a gc or weakref callback)
+    is reported by meshsim's unraisable hook and leaves ``done``: it is raised again.
     """
     frames = sys._current_frames()
     for ident in idents:

@@ -7,6 +7,7 @@ class and ``timed_out`` proves that detection was immediate.
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -373,3 +374,47 @@ def test_interrupting_ranks_never_breaks_an_import(tmp_path: object, monkeypatch
         thread.join(30)
         sys.modules.pop("meshsim_blocking_import", None)
     assert errors == []
+
+
+class _SlowFinalizer:
+    """Spends its __del__ in Python, where an asynchronous exception is swallowed."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __del__(self) -> None:
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            pass
+
+
+def test_an_interrupt_swallowed_by_a_finalizer_is_raised_again() -> None:
+    """Regression (found by the gloo property tests): a rank still running after another
+    failed is stopped by raising WorldAborted in its thread once; when that landed in a
+    __del__ (or a gc or weakref callback) Python swallowed it, printed an "Exception
+    ignored" report that pytest turns into a warning, and the rank ran on and was left
+    behind as a thread. meshsim's unraisable hook now hides it and the rank is
+    interrupted again."""
+    seen: list[str] = []
+    durations = random.Random(0)  # irregular, so that interrupts cannot fall in step with the loop
+
+    def body() -> None:
+        if dist.get_rank() == 1:
+            time.sleep(0.05)  # rank 0 is in its loop by now
+            raise ValueError("rank 1 fails")
+        end = time.monotonic() + 5.0  # bounded: without the fix it would run to the end
+        try:
+            while time.monotonic() < end:
+                _SlowFinalizer(durations.uniform(0.001, 0.01))  # about half the time in __del__
+                spin = time.monotonic() + durations.uniform(0.001, 0.01)
+                while time.monotonic() < spin:
+                    pass
+        except BaseException as exc:  # meshsim's interrupt
+            seen.append(type(exc).__name__)
+            raise
+
+    for _ in range(5):  # each interrupt lands in __del__ about half the time
+        with pytest.raises(meshsim.RankError, match="rank 1 fails") as info:
+            meshsim.run(body, 2, serialize=False, timeout=30)
+        assert getattr(info.value, "__notes__", []) == []  # no rank thread left behind
+    assert seen == ["WorldAborted"] * 5

@@ -66,6 +66,7 @@ def snapshot() -> dict[str, Any]:
     return {
         "excepthook": sys.excepthook,
         "threading.excepthook": threading.excepthook,
+        "unraisablehook": sys.unraisablehook,
         "rng": torch.get_rng_state(),
         "world": c10d._world,
         "initialized": dist.is_initialized(),

@@ -116,6 +116,7 @@ def snapshot() -> dict[str, Any]:
         "c10d world": c10d._world,
         "initialized": dist.is_initialized(),
         "excepthook": sys.excepthook,
+        "unraisablehook": sys.unraisablehook,
         "rng": torch.get_rng_state(),
     }
 
