@@ -17,6 +17,7 @@ import torch
 
 from meshsim import _movement as mv
 from meshsim._rendezvous import Call
+from meshsim._torch_private import copy_to_all
 
 Tensor = torch.Tensor
 
@@ -25,15 +26,22 @@ _Execute = Callable[[Sequence[Call]], None]
 
 
 def _no_grad(execute: _Execute) -> _Execute:
-    """Run ``execute`` with autograd off (entering no_grad only when it is on: it is costly)."""
+    """Run ``execute`` with autograd off.
+
+    ``torch.set_grad_enabled`` costs a third of entering ``torch.no_grad()``, and
+    this runs once per collective.
+    """
 
     @functools.wraps(execute)
     def wrapper(calls: Sequence[Call]) -> None:
         if not torch.is_grad_enabled():
             execute(calls)
             return
-        with torch.no_grad():
+        torch.set_grad_enabled(False)
+        try:
             execute(calls)
+        finally:
+            torch.set_grad_enabled(True)
 
     return wrapper
 
@@ -43,17 +51,30 @@ def _write(out: Tensor, value: Tensor) -> None:
     out.copy_(value if value.shape == out.shape else value.reshape(out.shape))
 
 
+def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:
+    """Copy ``value`` into every tensor of ``outs``, which all have one shape and dtype.
+
+    The ranks' signatures were compared before any data moves, so the first
+    output's shape and dtype stand for all of them.
+    """
+    first, device = outs[0], value.device
+    if first.shape == value.shape and first.dtype == value.dtype and all(o.device == device for o in outs):
+        copy_to_all(outs, value)
+        return
+    for out in outs:
+        _write(out, value)
+
+
 # payload: (tensors, op, factor)
 @_no_grad
 def all_reduce(calls: Sequence[Call]) -> None:
     op = calls[0].payload[1]
-    factors = [c.payload[2] for c in calls]
-    results = [
-        mv.reduce([c.payload[0][i] for c in calls], op, factors) for i in range(len(calls[0].payload[0]))
-    ]
-    for c in calls:
-        for out, result in zip(c.payload[0], results):
-            _write(out, result)
+    factors = [c.payload[2] for c in calls] if op == "PREMUL_SUM" else None
+    count = len(calls[0].payload[0])
+    # every result before any write: a rank's tensors may alias each other
+    results = [mv.reduce([c.payload[0][i] for c in calls], op, factors) for i in range(count)]
+    for i, result in enumerate(results):
+        _write_all([c.payload[0][i] for c in calls], result)
 
 
 # payload: (tensors, root)
@@ -108,8 +129,7 @@ def all_gather_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 def all_gather_into_tensor(calls: Sequence[Call]) -> None:
     for j in range(len(calls[0].payload[1])):
         flat = mv.all_gather_flat([c.payload[1][j] for c in calls])
-        for c in calls:
-            _write(c.payload[0][j], flat)
+        _write_all([c.payload[0][j] for c in calls], flat)
 
 
 # payload: (outputs, input_lists, op, factor): rank r's outputs[j] = reduce of input_lists[j][r]

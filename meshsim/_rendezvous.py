@@ -31,7 +31,7 @@ _ADVICE = (
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One rank's side of a collective.
 
@@ -93,12 +93,15 @@ class Slot(Waitable):
         self.calls: list[Call | None] = [None] * group.size
         self.arrived = 0
         self.mismatch = False
+        self._first: Call | None = None
 
     def add(self, call: Call) -> None:
-        first = next((c for c in self.calls if c is not None), None)
         self.calls[call.group_rank] = call
         self.arrived += 1
-        if first is not None and (first.op, first.signature) != (call.op, call.signature):
+        first = self._first
+        if first is None:
+            self._first = call
+        elif first.op != call.op or first.signature != call.signature:
             self.mismatch = True
 
     def complete(self) -> None:

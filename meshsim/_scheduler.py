@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from meshsim._doorbell import Doorbell, doorbells
 from meshsim._errors import DeadlockError, WorldAborted
 
 __all__ = ["Scheduler", "Waitable"]
@@ -89,12 +90,10 @@ class Scheduler:
         self._switch_in = switch_in
         self._state = [_READY] * world_size
         self._waiting: list[Waitable | None] = [None] * world_size
-        # Each rank sleeps on its own binary semaphore. Wake-ups are collected while
+        # Each rank sleeps at its own doorbell (see _doorbell). Wake-ups are collected while
         # the lock is held and delivered after it is released, so a woken rank never
         # wakes only to block again on the lock (that doubled the cost of a hand-over).
-        self._sems = [threading.Lock() for _ in range(world_size)]
-        for sem in self._sems:
-            sem.acquire()
+        self._bells = doorbells(world_size)
         self._parked = [False] * world_size
         self._signals: list[int] = []
         self._idents: list[int | None] = [None] * world_size
@@ -223,6 +222,12 @@ class Scheduler:
         finally:
             self._unlock()
 
+    def close(self) -> None:
+        """Release the doorbells; call once no rank thread is left."""
+        for bell in self._bells:
+            bell.close()
+        self._bells = []
+
     # -- internals (lock held) --------------------------------------------------
 
     def _block(self, rank: int, waitable: Waitable) -> None:
@@ -233,13 +238,14 @@ class Scheduler:
         self._progress_at = time.monotonic()
         if self.serialize:
             self._pass_baton(rank)
-        self._check_deadlock()
+        if self._holder is None:  # with the baton passed to a ready rank, progress is certain
+            self._check_deadlock()
         self._await_turn(rank)
         self._state[rank] = _RUNNING
         self._waiting[rank] = None
 
     def _await_turn(self, rank: int) -> None:
-        sem = self._sems[rank]
+        bell = self._bells[rank]
         while True:
             if self.error is not None:
                 raise WorldAborted()
@@ -249,8 +255,8 @@ class Scheduler:
             signals = self._take_signals()
             self.lock.release()
             try:
-                _release(self._sems, signals)
-                sem.acquire(timeout=_SAFETY_POLL)
+                _ring(self._bells, signals)
+                bell.wait(_SAFETY_POLL)
             finally:
                 self.lock.acquire()
 
@@ -267,7 +273,7 @@ class Scheduler:
     def _unlock(self) -> None:
         signals = self._take_signals()
         self.lock.release()
-        _release(self._sems, signals)
+        _ring(self._bells, signals)
 
     def _resumed(self, rank: int) -> None:
         if self.serialize and self._last_ran != rank:
@@ -380,12 +386,9 @@ class Scheduler:
         return DeadlockError(message, states=states, timed_out=True, ranks=busy)
 
 
-def _release(sems: list[threading.Lock], ranks: list[int]) -> None:
+def _ring(bells: list[Doorbell], ranks: list[int]) -> None:
     for rank in ranks:
-        try:
-            sems[rank].release()
-        except RuntimeError:
-            pass  # already released: a wake-up is pending, which is all a signal means
+        bells[rank].ring()
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep

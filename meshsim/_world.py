@@ -231,6 +231,8 @@ class _World:
                     interrupted -= _patches.take_swallowed_interrupts()
                     _interrupt(self.scheduler.running_idents(), interrupted)
         self.stuck = [r for r, t in enumerate(self.threads) if t.is_alive()]
+        if not self.stuck:  # a thread left behind may still wait at its doorbell
+            self.scheduler.close()
 
     def _give_up_at(self, start: float) -> float:
         """When a stopping world stops waiting for its rank threads and leaves them behind."""

@@ -80,7 +80,13 @@ def snapshot() -> dict[str, Any]:
         "mesh init": DeviceMesh.__init__,
         "local_tensor_mode": _collective_utils.local_tensor_mode,
         "threads": threading.active_count(),
+        "open files": _open_files(),
     }
+
+
+def _open_files() -> int | None:
+    """How many file descriptors the process has open (None where /proc cannot tell)."""
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -129,7 +135,7 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc to read RSS")
-def test_a_thousand_worlds_half_failing_leave_threads_and_memory_flat() -> None:
+def test_a_thousand_worlds_half_failing_leave_threads_files_and_memory_flat() -> None:
     failing = [raises, mismatches, deadlocks]
 
     def one(i: int) -> None:
@@ -142,10 +148,11 @@ def test_a_thousand_worlds_half_failing_leave_threads_and_memory_flat() -> None:
     for i in range(100):  # warm-up: imports, caches, allocator pools
         one(i)
     gc.collect()
-    threads, rss = threading.active_count(), _rss_bytes()
+    threads, rss, files = threading.active_count(), _rss_bytes(), _open_files()
     for i in range(1000):
         one(i)
     gc.collect()
     grown = _rss_bytes() - rss
     assert threading.active_count() == threads
+    assert _open_files() == files
     assert grown < 32 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB over 1000 worlds"

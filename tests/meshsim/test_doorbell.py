@@ -1,0 +1,100 @@
+"""Doorbells, the way a parked rank thread is woken: eventfds where possible, locks elsewhere."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshsim
+from meshsim import _doorbell
+from meshsim._doorbell import Doorbell, EventBell, LockBell
+
+KINDS = [pytest.param(LockBell, id="lock")]
+if hasattr(os, "eventfd"):
+    KINDS.append(pytest.param(EventBell, id="eventfd"))
+
+
+@pytest.fixture(params=KINDS)
+def bell(request: pytest.FixtureRequest) -> Doorbell:
+    made: Doorbell = request.param()
+    yield made
+    made.close()
+
+
+def test_a_ring_before_the_wait_lets_it_return_at_once(bell: Doorbell) -> None:
+    bell.ring()
+    start = time.monotonic()
+    bell.wait(5.0)
+    assert time.monotonic() - start < 1.0
+
+
+def test_rings_before_a_wait_count_once(bell: Doorbell) -> None:
+    bell.ring()
+    bell.ring()
+    bell.wait(5.0)
+    start = time.monotonic()
+    bell.wait(0.05)  # nothing pending: this one times out
+    assert time.monotonic() - start >= 0.04
+
+
+def test_a_ring_wakes_a_waiting_thread(bell: Doorbell) -> None:
+    woke = threading.Event()
+
+    def waiter() -> None:
+        bell.wait(5.0)
+        woke.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.05)
+    assert not woke.is_set()
+    bell.ring()
+    assert woke.wait(2.0)
+    thread.join(2.0)
+
+
+def test_worlds_larger_than_the_descriptor_share_use_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_doorbell, "_fd_limit", lambda: 64)
+    bells = _doorbell.doorbells(8)  # 64 // 16 = 4 ranks at most on eventfds
+    assert {type(b) for b in bells} == {LockBell}
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
+def test_running_out_of_descriptors_falls_back_to_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    real = os.eventfd
+
+    def scarce(initval: int, flags: int = os.EFD_CLOEXEC) -> int:
+        if len(made) == 2:
+            raise OSError(24, "Too many open files")
+        fd = real(initval, flags)
+        made.append(fd)
+        return fd
+
+    monkeypatch.setattr(os, "eventfd", scarce)
+    bells = _doorbell.doorbells(4)
+    assert {type(b) for b in bells} == {LockBell}
+    for fd in made:  # the two made before the failure were closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def _ring_all_reduce() -> list[float]:
+    x = torch.full((3,), float(dist.get_rank()))
+    for _ in range(20):
+        dist.all_reduce(x)
+        dist.barrier()
+    return x.tolist()
+
+
+@pytest.mark.parametrize("fd_limit", [1 << 16, 0], ids=["eventfd", "lock"])
+def test_worlds_run_the_same_on_either_doorbell(monkeypatch: pytest.MonkeyPatch, fd_limit: int) -> None:
+    monkeypatch.setattr(_doorbell, "_fd_limit", lambda: fd_limit)
+    results = meshsim.run(_ring_all_reduce, 4)
+    expected = [6.0 * 4.0**19] * 3
+    assert results == [expected] * 4
