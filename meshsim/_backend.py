@@ -130,6 +130,9 @@ class SimWork(dist.Work):
 
 
 def _meta(tensors: Sequence[Tensor]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+    if len(tensors) == 1:  # the common case, without a generator
+        t = tensors[0]
+        return ((t.dtype, tuple(t.shape)),)
     return tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
 
@@ -171,11 +174,17 @@ def _reduce_op(opts: Any) -> tuple[str, Any]:
     if opts is None:
         return "SUM", None
     op = opts.reduceOp
+    # A ReduceOp hashes and compares by its kind, so the cache finds this call's
+    # fresh copy; reading the kind (op.op) costs three times the lookup.
+    name = _OP_NAMES.get(op)
+    if name is not None:
+        return name, None
     kind = getattr(op, "op", op)
-    name = _OP_NAMES.get(kind)
-    if name is None:
-        name = _OP_NAMES[kind] = kind.name
-    return name, (op.factor if name == "PREMUL_SUM" else None)
+    name = kind.name
+    if name == "PREMUL_SUM":
+        return name, op.factor  # not cached: the key would keep its factor alive
+    _OP_NAMES[op] = name
+    return name, None
 
 
 _DTYPE_PROBLEMS: dict[tuple[str, torch.dtype], str | None] = {}
@@ -264,7 +273,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _check_reduce(self, op: str, tensors: Sequence[Tensor], api: str) -> None:
         for t in tensors:
-            problem = _reduce_problem(op, t.dtype)
+            problem = _DTYPE_PROBLEMS.get((op, t.dtype), "")
+            if problem == "":  # not seen yet
+                problem = _reduce_problem(op, t.dtype)
             if problem is not None:
                 raise ValueError(f"{api}: {problem}")
 

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from meshsim._doorbell import Doorbell, doorbells
 from meshsim._errors import DeadlockError, WorldAborted
@@ -145,7 +145,9 @@ class Scheduler:
                     self._block(rank, waitable)
             finally:
                 self._unlock()
-            self._resumed(rank)
+            if self.serialize and self._last_ran != rank:  # _resumed, inlined: this is the hot path
+                self._last_ran = rank
+                self._switch_in(rank)
         if waitable.error is not None:
             raise waitable.error
 
@@ -231,7 +233,8 @@ class Scheduler:
     # -- internals (lock held) --------------------------------------------------
 
     def _block(self, rank: int, waitable: Waitable) -> None:
-        self.raise_if_aborted()
+        if self.error is not None:
+            raise WorldAborted()
         self._state[rank] = _BLOCKED
         self._waiting[rank] = waitable
         waitable.waiters.append(rank)
@@ -266,8 +269,12 @@ class Scheduler:
             self._parked[rank] = False
             self._signals.append(rank)
 
-    def _take_signals(self) -> list[int]:
-        signals, self._signals = self._signals, []
+    def _take_signals(self) -> Sequence[int]:
+        """The pending wake-ups, taken (a shared empty tuple when there are none)."""
+        signals = self._signals
+        if not signals:
+            return _NONE
+        self._signals = []
         return signals
 
     def _unlock(self) -> None:
@@ -386,7 +393,10 @@ class Scheduler:
         return DeadlockError(message, states=states, timed_out=True, ranks=busy)
 
 
-def _ring(bells: list[Doorbell], ranks: list[int]) -> None:
+_NONE: tuple[int, ...] = ()
+
+
+def _ring(bells: list[Doorbell], ranks: Sequence[int]) -> None:
     for rank in ranks:
         bells[rank].ring()
 

@@ -68,7 +68,16 @@ class RankState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
-        _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+        # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+        data = _ENVIRON_DATA
+        if data is not None:
+            for key, value in self.rank_env:  # encoded for os.environ's backing dict
+                if data.get(key) != value:
+                    os.putenv(key, value)
+                    data[key] = value
+        else:
+            for key, value in self.rank_env:
+                os.environ[key] = value
 
     def load_world_env(self) -> None:
         """Set the environment every rank shares (once, before any rank runs)."""
@@ -130,25 +139,25 @@ class ProcessState:
         _restore_environ(self.environ)
 
 
-def _encoded(values: dict[str, str]) -> list[tuple[Any, Any]]:
+def _environ_data() -> dict[bytes, bytes] | None:
+    """os.environ's encoded backing dict, where it has one (CPython on POSIX)."""
     environ = os.environ
-    encode_key = getattr(environ, "encodekey", None)
-    encode_value = getattr(environ, "encodevalue", None)
-    if encode_key is None or encode_value is None or not isinstance(getattr(environ, "_data", None), dict):
+    data = getattr(environ, "_data", None)
+    if not isinstance(data, dict) or not hasattr(environ, "encodekey") or not hasattr(environ, "encodevalue"):
+        return None
+    return data
+
+
+# Setting RANK and LOCAL_RANK runs at every hand-over: with the encoding done once,
+# writing the backing dict and putenv directly costs half of os.environ[key] = value.
+_ENVIRON_DATA = _environ_data()
+
+
+def _encoded(values: dict[str, str]) -> list[tuple[Any, Any]]:
+    environ: Any = os.environ
+    if _ENVIRON_DATA is None:
         return list(values.items())
-    return [(encode_key(k), encode_value(v)) for k, v in values.items()]
-
-
-def _set_environ(pairs: list[tuple[Any, Any]]) -> None:
-    """Set variables with os.environ's own encoding done once (this runs at every hand-over)."""
-    data = getattr(os.environ, "_data", None)
-    for key, value in pairs:
-        if isinstance(key, bytes) and isinstance(data, dict):
-            if data.get(key) != value:
-                os.putenv(key, value)
-                data[key] = value
-        else:
-            os.environ[key] = value
+    return [(environ.encodekey(k), environ.encodevalue(v)) for k, v in values.items()]
 
 
 def _environ_snapshot() -> dict[Any, Any]:

@@ -83,9 +83,8 @@ class _RankWorld:
         self.comms: list[Any] = []
 
 
-# threading.local's own attribute functions: they pick the calling thread's dict
+# threading.local's own attribute setter: it picks the calling thread's dict
 _set = threading.local.__setattr__
-_del = threading.local.__delattr__
 
 
 class _ThreadWorlds(threading.local):
@@ -118,16 +117,16 @@ class _ThreadWorlds(threading.local):
 
     def enter(self) -> None:
         """Give the calling thread a fresh, empty world of its own."""
-        _set(self, "_in_rank", True)
-        for name, value in vars(_RankWorld()).items():
-            _set(self, name, value)
+        fields = vars(self)  # this thread's
+        fields.update(vars(_RankWorld()))
+        fields["_in_rank"] = True
 
     def leave(self) -> None:
         """Make the calling thread see the original world again."""
-        fields = [name for name in vars(self) if name not in ("_original", "_in_rank")]
-        for name in fields:
-            _del(self, name)
-        _set(self, "_in_rank", False)
+        fields = vars(self)
+        original = fields["_original"]
+        fields.clear()
+        fields.update(_original=original, _in_rank=False)
 
 
 _rank = threading.local()  # .token, .gpu_paths: set while a thread is a rank

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import functools
 import math
 import os
 import sys
@@ -18,7 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -378,12 +379,21 @@ def _drop_frame_locals(exc: BaseException) -> None:
         pending += getattr(current, "exceptions", ())  # an ExceptionGroup's members
 
 
-def _current_cpu() -> int | None:
-    """The CPU the calling thread runs on, where the platform can tell."""
+@functools.cache
+def _sched_getcpu() -> Callable[[], int] | None:
+    """libc's ``sched_getcpu``, looked up once (loading the library costs ~100 us)."""
     try:
-        cpu = int(ctypes.CDLL(None).sched_getcpu())
+        return cast(Callable[[], int], ctypes.CDLL(None).sched_getcpu)
     except (AttributeError, OSError):
         return None
+
+
+def _current_cpu() -> int | None:
+    """The CPU the calling thread runs on, where the platform can tell."""
+    getcpu = _sched_getcpu()
+    if getcpu is None:
+        return None
+    cpu = int(getcpu())
     if cpu < 0 or not hasattr(os, "sched_setaffinity") or cpu not in os.sched_getaffinity(0):
         return None
     return cpu
