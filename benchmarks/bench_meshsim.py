@@ -98,6 +98,16 @@ def _noop() -> float:
     return 0.0
 
 
+def _bare_threads(fn: Callable[[], float], world_size: int) -> list[float]:
+    """Start and join ``world_size`` plain threads: the floor under any thread-per-rank world."""
+    threads = [threading.Thread(target=fn) for _ in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return []
+
+
 def _setup_cost(runner: Callable[[Callable[[], float], int], list[float]], ws: int, n: int) -> float:
     start = time.perf_counter()
     for _ in range(n):
@@ -123,6 +133,7 @@ def main() -> None:
             for name, runner in runners.items():
                 reps = 50 if name != "meshsim gloo" else 3
                 table.setdefault(("setup+teardown", name, ws), []).append(_setup_cost(runner, ws, reps))
+            table.setdefault(("bare threads", "", ws), []).append(_setup_cost(_bare_threads, ws, 50))
     _print(table, runners, sizes)
     _big_world()
 
@@ -142,6 +153,9 @@ def _print(
             ratio = med["torch threaded"] / med["meshsim sim"]
             cells = " ".join(f"{med[n]:16.1f}" for n in names)
             print(f"{op:24} {ws:>3} {cells} {ratio:12.2f}x")
+    bare = {ws: statistics.median(table[("bare threads", "", ws)]) * 1e6 for ws in sizes}
+    floor = ", ".join(f"{us:.0f} us at {ws}" for ws, us in bare.items())
+    print(f"\nstarting and joining bare Python threads, one per rank (the floor of setup+teardown): {floor}")
 
 
 def _big_world() -> None:

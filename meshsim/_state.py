@@ -40,19 +40,16 @@ class RankState:
     rank_env: list[tuple[Any, Any]] = field(default_factory=list)  # RANK, LOCAL_RANK, encoded
 
     @classmethod
-    def fresh(cls, rank: int, world_size: int) -> RankState:
-        """Rank ``rank``'s starting state: the caller's RNG and dtype, as after a fork."""
-        text = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
-        env = {k: str(v) for k, v in text.items()}
-        return cls(
-            rank,
-            world_size,
-            torch.get_rng_state(),
-            _cuda_rng(),
-            torch.get_default_dtype(),
-            env,
-            _encoded({k: env[k] for k in _PER_RANK_ENV}),
-        )
+    def fresh(cls, world_size: int) -> list[RankState]:
+        """Every rank's starting state: the caller's RNG and dtype, as after a fork."""
+        rng, cuda_rng, dtype = torch.get_rng_state(), _cuda_rng(), torch.get_default_dtype()
+        states = []
+        for rank in range(world_size):
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+            env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+            per_rank = _encoded({k: env[k] for k in _PER_RANK_ENV})
+            states.append(cls(rank, world_size, rng, cuda_rng, dtype, env, per_rank))
+        return states
 
     def save(self) -> None:
         """Remember the process's current values as this rank's (runs at every hand-over)."""
@@ -111,10 +108,7 @@ class ProcessState:
             _cuda_rng(),
             random.getstate(),
             torch.get_num_threads(),
-            (
-                torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled(),
-            ),
+            _deterministic(),
             torch.get_default_dtype(),
             _environ_snapshot(),
         )
@@ -133,10 +127,19 @@ class ProcessState:
         # A rank thread's set_num_threads also changes the default of threads
         # created later in the process; setting it here restores both.
         torch.set_num_threads(self.num_threads)
-        enabled, warn_only = self.deterministic
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.set_default_dtype(self.default_dtype)
+        if self.deterministic != _deterministic():
+            enabled, warn_only = self.deterministic
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
 
 
 def _environ_data() -> dict[bytes, bytes] | None:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -197,17 +197,15 @@ class _World:
 
         self.cpu = _current_cpu() if self.scheduler.serialize else None
         if self.scheduler.serialize:
-            initial = torch.get_rng_state()
-            self.states = [RankState.fresh(r, self.world_size) for r in range(self.world_size)]
-            for state in self.states:
-                state.rng = initial
+            self.states = RankState.fresh(self.world_size)
             self.states[0].load_world_env()
-        for rank in range(self.world_size):
-            thread = threading.Thread(
-                target=self._rank_main, args=(rank,), name=f"meshsim-rank-{rank}", daemon=True
-            )
-            self.threads.append(thread)
-            thread.start()
+        with _pinned_to(self.cpu):  # rank threads inherit it: no migration once they run
+            for rank in range(self.world_size):
+                thread = threading.Thread(
+                    target=self._rank_main, args=(rank,), name=f"meshsim-rank-{rank}", daemon=True
+                )
+                self.threads.append(thread)
+                thread.start()
         self.scheduler.begin()
 
     def _supervise(self) -> None:
@@ -280,10 +278,11 @@ class _World:
         bind_rank(context)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)  # per thread; ProcessState restores the default
-        if self.cpu is not None:
+        if self.cpu is not None and os.sched_getaffinity(0) != {self.cpu}:
             # Serialized ranks never run at once, so one core loses nothing, and
             # keeps torch's per-thread state warm in one cache across hand-overs
             # (torch calls right after a hand-over ran ~3x slower without it).
+            # Threads are started pinned (_pinned_to); this is for the exception.
             os.sched_setaffinity(0, {self.cpu})
         outcome = "finished: its function returned"
         recorder: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -377,6 +376,20 @@ def _drop_frame_locals(exc: BaseException) -> None:
         traceback.clear_frames(current.__traceback__)
         pending += [current.__cause__, current.__context__]
         pending += getattr(current, "exceptions", ())  # an ExceptionGroup's members
+
+
+@contextlib.contextmanager
+def _pinned_to(cpu: int | None) -> Iterator[None]:
+    """Run the calling thread on ``cpu`` for the block (threads it starts inherit that)."""
+    if cpu is None:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 @functools.cache
