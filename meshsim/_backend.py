@@ -207,6 +207,9 @@ class SimProcessGroup(dist.ProcessGroup):
         self._group_rank = group_rank
         self._seq = 0
         self._p2p_seq: dict[tuple[str, int], int] = {}
+        # c10d makes a group in the rank thread that uses it: that thread's open
+        # ledgers, held here, spare a thread-local lookup on every collective.
+        self._ledgers = _ledger.open_ledgers()
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -256,7 +259,7 @@ class SimProcessGroup(dist.ProcessGroup):
         seq = self._seq
         self._seq += 1
         ranks = self._group.ranks
-        if _ledger.is_recording():
+        if self._ledgers:
             site = where = _ledger.site_of(frame)
             peer = ranks[root] if root is not None else None
             dtype, bytes_in, bytes_out = ledger()

@@ -229,6 +229,11 @@ def recording_into(ledger: Ledger) -> Iterator[Ledger]:
         stack.remove(ledger)
 
 
+def open_ledgers() -> list[Ledger]:
+    """The calling thread's open ledgers, innermost last: a live list that stays the thread's."""
+    return _active()
+
+
 def is_recording() -> bool:
     """Whether the calling thread is inside a :func:`record` block."""
     return bool(getattr(_local, "stack", None))
