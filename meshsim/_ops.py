@@ -10,7 +10,7 @@ outputs (FSDP's all_gather input is a view of its output) are safe.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,27 +23,34 @@ Tensor = torch.Tensor
 
 
 _Execute = Callable[[Sequence[Call]], None]
+_TensorsOf = Callable[[Sequence[Call]], Iterable[Tensor]]
 
 
-def _no_grad(execute: _Execute) -> _Execute:
-    """Run ``execute`` with autograd off.
+def _no_grad(tensors_of: _TensorsOf | None = None) -> Callable[[_Execute], _Execute]:
+    """Run the decorated ``execute`` with autograd off.
 
-    ``torch.set_grad_enabled`` costs a third of entering ``torch.no_grad()``, and
-    this runs once per collective.
+    ``tensors_of`` names every tensor the executor reads or writes: when none of
+    them requires grad, autograd records nothing anyway and its mode is left alone
+    (switching it costs more than the check, and this runs once per collective).
     """
 
-    @functools.wraps(execute)
-    def wrapper(calls: Sequence[Call]) -> None:
-        if not torch.is_grad_enabled():
-            execute(calls)
-            return
-        torch.set_grad_enabled(False)
-        try:
-            execute(calls)
-        finally:
-            torch.set_grad_enabled(True)
+    def decorate(execute: _Execute) -> _Execute:
+        @functools.wraps(execute)
+        def wrapper(calls: Sequence[Call]) -> None:
+            if not torch.is_grad_enabled() or (
+                tensors_of is not None and not any(t.requires_grad for t in tensors_of(calls))
+            ):
+                execute(calls)
+                return
+            torch.set_grad_enabled(False)
+            try:
+                execute(calls)
+            finally:
+                torch.set_grad_enabled(True)
 
-    return wrapper
+        return wrapper
+
+    return decorate
 
 
 def _write(out: Tensor, value: Tensor) -> None:
@@ -65,12 +72,24 @@ def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:
         _write(out, value)
 
 
+def _first_payloads(calls: Sequence[Call]) -> Iterable[Tensor]:
+    return (t for c in calls for t in c.payload[0])
+
+
+def _two_payloads(calls: Sequence[Call]) -> Iterable[Tensor]:
+    return (t for c in calls for lst in c.payload[:2] for t in lst)
+
+
 # payload: (tensors, op, factor)
-@_no_grad
+@_no_grad(_first_payloads)
 def all_reduce(calls: Sequence[Call]) -> None:
     op = calls[0].payload[1]
     factors = [c.payload[2] for c in calls] if op == "PREMUL_SUM" else None
     count = len(calls[0].payload[0])
+    if count == 1:  # the common case, in fewer steps
+        tensors = [c.payload[0][0] for c in calls]
+        _write_all(tensors, mv.reduce(tensors, op, factors))
+        return
     # every result before any write: a rank's tensors may alias each other
     results = [mv.reduce([c.payload[0][i] for c in calls], op, factors) for i in range(count)]
     for i, result in enumerate(results):
@@ -78,7 +97,7 @@ def all_reduce(calls: Sequence[Call]) -> None:
 
 
 # payload: (tensors, root)
-@_no_grad
+@_no_grad()
 def broadcast(calls: Sequence[Call]) -> None:
     root = calls[0].payload[1]
     sources = [t.clone() for t in calls[root].payload[0]]
@@ -89,7 +108,7 @@ def broadcast(calls: Sequence[Call]) -> None:
 
 
 # payload: (tensors, root, op, factor)
-@_no_grad
+@_no_grad()
 def reduce(calls: Sequence[Call]) -> None:
     root, op = calls[0].payload[1], calls[0].payload[2]
     factors = [c.payload[3] for c in calls]
@@ -100,7 +119,7 @@ def reduce(calls: Sequence[Call]) -> None:
 
 
 # payload: (output_lists, inputs): output_lists[j][s] receives rank s's inputs[j]
-@_no_grad
+@_no_grad()
 def all_gather(calls: Sequence[Call]) -> None:
     for j in range(len(calls[0].payload[1])):
         sources = [c.payload[1][j].clone() for c in calls]
@@ -125,7 +144,7 @@ def all_gather_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 
 
 # payload: (outputs, inputs): outputs[j] is the flat concatenation of every rank's inputs[j]
-@_no_grad
+@_no_grad(_two_payloads)
 def all_gather_into_tensor(calls: Sequence[Call]) -> None:
     for j in range(len(calls[0].payload[1])):
         flat = mv.all_gather_flat([c.payload[1][j] for c in calls])
@@ -133,7 +152,7 @@ def all_gather_into_tensor(calls: Sequence[Call]) -> None:
 
 
 # payload: (outputs, input_lists, op, factor): rank r's outputs[j] = reduce of input_lists[j][r]
-@_no_grad
+@_no_grad()
 def reduce_scatter(calls: Sequence[Call]) -> None:
     op = calls[0].payload[2]
     factors = [c.payload[3] for c in calls]
@@ -164,7 +183,7 @@ def reduce_scatter_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 
 
 # payload: (outputs, inputs, op, factor): rank r's outputs[j] = r-th chunk of the reduced inputs[j]
-@_no_grad
+@_no_grad()
 def reduce_scatter_tensor(calls: Sequence[Call]) -> None:
     op = calls[0].payload[2]
     factors = [c.payload[3] for c in calls]
@@ -175,7 +194,7 @@ def reduce_scatter_tensor(calls: Sequence[Call]) -> None:
 
 
 # payload: (output, input, output_splits, input_splits), splits already resolved per rank
-@_no_grad
+@_no_grad()
 def all_to_all_single(calls: Sequence[Call]) -> None:
     results = mv.all_to_all_single([c.payload[1] for c in calls], [c.payload[3] for c in calls])
     for c, result in zip(calls, results):
@@ -192,7 +211,7 @@ def all_to_all_single_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 
 
 # payload: (outputs, inputs): rank r's outputs[s] = rank s's inputs[r]
-@_no_grad
+@_no_grad()
 def all_to_all(calls: Sequence[Call]) -> None:
     received = mv.all_to_all([[t.clone() for t in c.payload[1]] for c in calls])
     for c, pieces in zip(calls, received):
@@ -207,7 +226,7 @@ def all_to_all_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 
 
 # payload: (output, inputs or None, root)
-@_no_grad
+@_no_grad()
 def scatter(calls: Sequence[Call]) -> None:
     root = calls[0].payload[2]
     pieces = [t.clone() for t in calls[root].payload[1]]
@@ -224,7 +243,7 @@ def scatter_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 
 
 # payload: (outputs or None, input, root)
-@_no_grad
+@_no_grad()
 def gather(calls: Sequence[Call]) -> None:
     root = calls[0].payload[2]
     sources = [c.payload[1].clone() for c in calls]
