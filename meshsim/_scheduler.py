@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 
 from meshsim._doorbell import Doorbell, doorbells
@@ -94,6 +95,9 @@ class Scheduler:
         # the lock is held and delivered after it is released, so a woken rank never
         # wakes only to block again on the lock (that doubled the cost of a hand-over).
         self._bells = doorbells(world_size)
+        # Closed by close() once no rank thread is left; if one was left behind (stuck
+        # in C code), when the last reference to the scheduler goes.
+        self._close_bells = weakref.finalize(self, _close, self._bells)
         self._parked = [False] * world_size
         self._signals: list[int] = []
         self._idents: list[int | None] = [None] * world_size
@@ -226,9 +230,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Release the doorbells; call once no rank thread is left."""
-        for bell in self._bells:
-            bell.close()
-        self._bells = []
+        self._close_bells()  # runs once, however often it is called
 
     # -- internals (lock held) --------------------------------------------------
 
@@ -391,6 +393,11 @@ class Scheduler:
             f"code: {who}.\n" + "\n".join(lines)
         )
         return DeadlockError(message, states=states, timed_out=True, ranks=busy)
+
+
+def _close(bells: list[Doorbell]) -> None:
+    for bell in bells:
+        bell.close()
 
 
 _NONE: tuple[int, ...] = ()

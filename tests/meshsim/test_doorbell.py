@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -98,3 +99,26 @@ def test_worlds_run_the_same_on_either_doorbell(monkeypatch: pytest.MonkeyPatch,
     results = meshsim.run(_ring_all_reduce, 4)
     expected = [6.0 * 4.0**19] * 3
     assert results == [expected] * 4
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None:
+    def body() -> None:
+        if dist.get_rank() == 1:
+            time.sleep(2.5)  # in C: the stop cannot interrupt it
+        dist.barrier()
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_files()
+    with pytest.raises(meshsim.DeadlockError) as info:
+        meshsim.run(body, 2, timeout=0.3)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "could not stop rank thread(s) [1]" in notes and "left as daemon threads" in notes
+    del info  # the error's traceback holds the world
+    stuck = [t for t in threading.enumerate() if t.name == "meshsim-rank-1"]
+    assert len(stuck) == 1
+    stuck[0].join(10.0)
+    gc.collect()
+    assert open_files() == before

@@ -9,7 +9,7 @@ from faults import Case, draw_case
 from hypothesis import note, settings
 from hypothesis import strategies as st
 from programs import HypothesisSource
-from worlds import leftovers, next_world_problems, snapshot
+from worlds import leftovers, next_world_problems, open_gloo_device, snapshot
 
 PROFILES = ("property", "thorough")  # registered in the root conftest.py
 
@@ -32,6 +32,8 @@ def draw(data: st.DataObject, *, kinds: Sequence[str] = (), gloo: bool = False) 
 @contextmanager
 def leaves_no_trace(backend: str = "sim") -> Iterator[None]:
     """Property 3: the process is as before the block, and the next world runs correctly."""
+    if backend == "gloo":
+        open_gloo_device()
     before = snapshot()
     yield
     assert leftovers(before, snapshot()) == []

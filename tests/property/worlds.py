@@ -8,6 +8,8 @@ process state a world must hand back untouched.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import threading
 import time
@@ -108,6 +110,20 @@ def wrong_results(program: Program, runs: list[Any]) -> list[str]:
     return problems
 
 
+@functools.cache
+def open_gloo_device() -> None:
+    """Run one small gloo world, once per process.
+
+    gloo opens a process-wide TCP device (four descriptors) on first use and keeps it
+    for the life of the process: a snapshot that counts descriptors must come after it.
+    """
+    meshsim.run(_barrier, 2, backend="gloo", timeout=GLOO_TIMEOUT)
+
+
+def _barrier() -> None:
+    dist.barrier()  # a collective: gloo opens its device when ranks first connect
+
+
 def snapshot() -> dict[str, Any]:
     """The process state a world must leave as it found it (property 3)."""
     return {
@@ -118,6 +134,7 @@ def snapshot() -> dict[str, Any]:
         "excepthook": sys.excepthook,
         "unraisablehook": sys.unraisablehook,
         "rng": torch.get_rng_state(),
+        "open files": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None,
     }
 
 
