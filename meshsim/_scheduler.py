@@ -374,18 +374,27 @@ class Scheduler:
             )
         return "Ranks wait for " + " and for ".join(parts) + "."
 
+    def _stacks(self) -> dict[int, str]:
+        """The stack of every rank thread that has not finished, formatted."""
+        frames = sys._current_frames()
+        try:
+            return {
+                rank: _format_stack(frames[ident])
+                for rank, ident in enumerate(self._idents)
+                if ident in frames and self._state[rank] != _DONE
+            }
+        finally:
+            frames.clear()  # it holds this frame, whose locals hold it: a cycle keeping every rank's frames
+
     def _timeout_error(self, idle: float, timeout: float) -> DeadlockError:
         states = self._states()
         busy = tuple(r for r in range(self.world_size) if self._state[r] == _RUNNING)
-        frames = sys._current_frames()
+        stacks = self._stacks()
         lines = []
         for rank, text in states.items():
             lines.append(f"  rank {rank}: {text}")
-            ident = self._idents[rank]
-            frame = frames.get(ident) if ident is not None else None
-            stack = _format_stack(frame) if frame is not None and self._state[rank] != _DONE else ""
-            if stack:
-                lines.append(stack)
+            if stacks.get(rank):
+                lines.append(stacks[rank])
         who = ", ".join(map(str, busy)) if busy else "none"
         message = (
             f"timeout: the {self.world_size}-rank world made no progress for {idle:.1f} s "

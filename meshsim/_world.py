@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import datetime
 import functools
-import gc
 import math
 import os
 import sys
@@ -190,11 +189,6 @@ class _World:
             finally:
                 self._stop()
                 saved.restore()
-        if self.backend == "gloo" and self.scheduler.error is not None:
-            # A failed rank's groups sit in reference cycles (its exception, traceback and
-            # frames): collect them now, so that their sockets close with the world
-            # rather than at some later collection (dozens of descriptors at 8 ranks).
-            gc.collect()
         return self._outcome()
 
     def _start(self) -> None:
@@ -429,11 +423,16 @@ def _interrupt(idents: Sequence[int], done: set[int]) -> None:
     is reported by meshsim's unraisable hook and leaves ``done``: it is raised again.
     """
     frames = sys._current_frames()
-    for ident in idents:
-        if ident in done or not _safe_point(frames.get(ident)):
-            continue
-        done.add(ident)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(WorldAborted))
+    try:
+        for ident in idents:
+            if ident in done or not _safe_point(frames.get(ident)):
+                continue
+            done.add(ident)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(WorldAborted))
+    finally:
+        # The map holds this very frame, whose locals hold the map: a cycle that kept
+        # every rank's frames (and on gloo, their groups' sockets) alive until a gc.
+        frames.clear()
 
 
 def _safe_point(frame: Any) -> bool:

@@ -112,8 +112,10 @@ def _raises_with_async_work_in_flight() -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
 def test_a_failed_gloo_world_closes_its_sockets_when_it_ends() -> None:
-    """Found by the property tests' descriptor count: a failed rank's groups sat in reference
-    cycles (its exception, traceback and frames) and kept their sockets until a later gc."""
+    """Found by the property tests' descriptor count: the stop loop's map of every thread's
+    frame (sys._current_frames) formed a cycle with its own frame, keeping every rank's
+    frames, and so their gloo groups and sockets, alive until a later gc; peers blocked on
+    those sockets waited for that too."""
     meshsim.run(dist.barrier, 2, backend="gloo", timeout=10)  # gloo's process-wide device
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(meshsim.RankError, match="five fails"):
