@@ -84,6 +84,8 @@ def _two_payloads(calls: Sequence[Call]) -> Iterable[Tensor]:
 @_no_grad(_first_payloads)
 def all_reduce(calls: Sequence[Call]) -> None:
     op = calls[0].payload[1]
+    if len(calls) == 1 and op != "PREMUL_SUM":
+        return  # every op of one rank's tensor is that tensor (a mesh dimension of size 1)
     factors = [c.payload[2] for c in calls] if op == "PREMUL_SUM" else None
     count = len(calls[0].payload[0])
     if count == 1:  # the common case, in fewer steps

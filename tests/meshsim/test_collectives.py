@@ -107,6 +107,21 @@ def test_all_reduce_every_dtype_and_op(case: tuple[torch.dtype, str]) -> None:
         check(result, expected)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_all_reduce_on_a_one_rank_group_every_dtype_and_op(case: tuple[torch.dtype, str]) -> None:
+    dtype, op = case
+
+    def body() -> torch.Tensor:
+        # one group per rank, as a mesh dimension of size 1 gives (every rank makes them all)
+        alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+        x = data(dist.get_rank(), dtype)
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=alone)
+        return x
+
+    for rank, result in enumerate(meshsim.run(body, 2)):
+        check(result, reference_reduce([data(rank, dtype)], op))
+
+
 @pytest.mark.parametrize("dtype", [*FLOATS, torch.complex64], ids=lambda d: str(d).removeprefix("torch."))
 def test_all_reduce_premul_sum_scales_each_rank_by_its_own_factor(dtype: torch.dtype) -> None:
     def body() -> torch.Tensor:
