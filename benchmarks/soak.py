@@ -97,14 +97,14 @@ def _one(tally: Tally, index: int, seed: int, gloo_every: int) -> None:
     kind, label = _kind(case, backend), f"case {index} (seed {seed}, {backend})"
     tally.cases += 1
     tally.injected[kind] += 1
-    before = snapshot()
+    before = snapshot(backend)
     outcome = _run_watched(case, backend)
     if outcome is None:
         tally.hangs += 1
         tally.fail(label, case, ["hung: the watchdog gave up on it"])
         return
     _judge(tally, case, outcome, kind, label, backend)
-    left = leftovers(before, snapshot())
+    left = leftovers(before, snapshot(backend))
     if left:
         tally.left_behind += 1
         tally.fail(label, case, ["left behind: " + "; ".join(left)])

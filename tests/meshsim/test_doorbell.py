@@ -108,10 +108,17 @@ def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None
             time.sleep(2.5)  # in C: the stop cannot interrupt it
         dist.barrier()
 
-    def open_files() -> int:
-        return len(os.listdir("/proc/self/fd"))
+    def eventfds() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass  # the listing's own descriptor
+        return links.count("anon_inode:[eventfd]")
 
-    before = open_files()
+    gc.collect()  # an earlier test's world collected during this one would close its doorbells
+    before = eventfds()
     with pytest.raises(meshsim.DeadlockError) as info:
         meshsim.run(body, 2, timeout=0.3)
     notes = "\n".join(getattr(info.value, "__notes__", []))
@@ -121,4 +128,4 @@ def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None
     assert len(stuck) == 1
     stuck[0].join(10.0)
     gc.collect()
-    assert open_files() == before
+    assert eventfds() == before

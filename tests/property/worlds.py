@@ -124,8 +124,13 @@ def _barrier() -> None:
     dist.barrier()  # a collective: gloo opens its device when ranks first connect
 
 
-def snapshot() -> dict[str, Any]:
-    """The process state a world must leave as it found it (property 3)."""
+def snapshot(backend: str = "sim") -> dict[str, Any]:
+    """The process state a world must leave as it found it (property 3).
+
+    Descriptors: a sim world opens eventfds (its doorbells), a gloo world sockets too.
+    Sockets are counted for gloo cases only, which start with a garbage collection:
+    other tests' gloo sockets left in reference cycles may close at any collection.
+    """
     return {
         "threads": threading.active_count(),
         "rank threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("meshsim-rank-")),
@@ -134,8 +139,22 @@ def snapshot() -> dict[str, Any]:
         "excepthook": sys.excepthook,
         "unraisablehook": sys.unraisablehook,
         "rng": torch.get_rng_state(),
-        "open files": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None,
+        "descriptors": _world_descriptors(sockets=backend == "gloo"),
     }
+
+
+def _world_descriptors(*, sockets: bool) -> int | None:
+    """How many eventfds (and sockets) the process holds. None without /proc."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since the listing (the listing's own descriptor)
+        count += link == "anon_inode:[eventfd]" or (sockets and link.startswith("socket:"))
+    return count
 
 
 def leftovers(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
