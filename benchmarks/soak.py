@@ -238,7 +238,7 @@ def main() -> int:
         "faults missed or misreported": misreported,
         f"faults reported after more than {PROMPT:g} s (all but the deliberate timeout)": tally.slow,
         "hangs (needed the timeout, ran past it by 1 s (gloo: twice it), or left a thread)": tally.hangs,
-        "cases that left state behind (threads, c10d world, excepthook, RNG)": tally.left_behind,
+        "cases that left state behind (threads, c10d world, excepthook, RNG, descriptors)": tally.left_behind,
     }
     print(
         f"meshsim soak: {tally.cases} cases run (seed {args.seed}, first {args.first}, gloo every "
