@@ -192,9 +192,11 @@ _DTYPE_PROBLEMS: dict[tuple[str, torch.dtype], str | None] = {}
 
 def _reduce_problem(op: str, dtype: torch.dtype) -> str | None:
     key = (op, dtype)
-    if key not in _DTYPE_PROBLEMS:
-        _DTYPE_PROBLEMS[key] = mv.check_reduce_dtype(op, dtype)
-    return _DTYPE_PROBLEMS[key]
+    try:
+        return _DTYPE_PROBLEMS[key]  # one lookup on the hot path
+    except KeyError:
+        problem = _DTYPE_PROBLEMS[key] = mv.check_reduce_dtype(op, dtype)
+        return problem
 
 
 class SimProcessGroup(dist.ProcessGroup):
@@ -276,9 +278,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _check_reduce(self, op: str, tensors: Sequence[Tensor], api: str) -> None:
         for t in tensors:
-            problem = _DTYPE_PROBLEMS.get((op, t.dtype), "")
-            if problem == "":  # not seen yet
-                problem = _reduce_problem(op, t.dtype)
+            problem = _reduce_problem(op, t.dtype)
             if problem is not None:
                 raise ValueError(f"{api}: {problem}")
 

@@ -71,7 +71,7 @@ def reduce(tensors: Sequence[Tensor], op: str, factors: Sequence[float | Tensor]
             raise ValueError("PREMUL_SUM needs one factor per rank")
         scaled = [t * _on(f, t) for t, f in zip(tensors, factors)]
         return torch.stack(scaled).sum(0).to(dtype)
-    result = _REDUCERS[op](torch.stack(tensors if isinstance(tensors, list) else list(tensors)))
+    result = _REDUCERS[op](torch.stack(list(tensors)))
     return result if result.dtype == dtype else result.to(dtype)
 
 

@@ -149,9 +149,7 @@ class Scheduler:
                     self._block(rank, waitable)
             finally:
                 self._unlock()
-            if self.serialize and self._last_ran != rank:  # _resumed, inlined: this is the hot path
-                self._last_ran = rank
-                self._switch_in(rank)
+            self._resumed(rank)
         if waitable.error is not None:
             raise waitable.error
 

@@ -95,7 +95,7 @@ class _ThreadWorlds(threading.local):
     collective); in any other thread every name falls through to the original.
     """
 
-    # computed from the fields above, so right in either kind of thread
+    # computed from the fields (_RankWorld's), so right in either kind of thread
     pg_config_info = c10d._World.pg_config_info
 
     def __init__(self, original: Any) -> None:
