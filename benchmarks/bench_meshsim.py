@@ -11,6 +11,7 @@ asserts a speed.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -94,6 +95,20 @@ def _runners() -> dict[str, Callable[[Callable[[], float], int], list[float]]]:
     }
 
 
+def _fresh_threads(fn: Callable[[], float], world_size: int) -> list[float]:
+    """meshsim ``sim`` with rank-thread reuse turned off: every world starts its own threads."""
+    saved = os.environ.get("MESHSIM_REUSE_THREADS")
+    os.environ["MESHSIM_REUSE_THREADS"] = "0"
+    try:
+        meshsim.end_idle_threads()
+        return meshsim.run(fn, world_size)
+    finally:
+        if saved is None:
+            del os.environ["MESHSIM_REUSE_THREADS"]
+        else:
+            os.environ["MESHSIM_REUSE_THREADS"] = saved
+
+
 def _noop() -> float:
     return 0.0
 
@@ -133,6 +148,7 @@ def main() -> None:
             for name, runner in runners.items():
                 reps = 50 if name != "meshsim gloo" else 3
                 table.setdefault(("setup+teardown", name, ws), []).append(_setup_cost(runner, ws, reps))
+            table.setdefault(("fresh threads", "", ws), []).append(_setup_cost(_fresh_threads, ws, 50))
             table.setdefault(("bare threads", "", ws), []).append(_setup_cost(_bare_threads, ws, 50))
     _print(table, runners, sizes)
     _big_world()
@@ -153,9 +169,12 @@ def _print(
             ratio = med["torch threaded"] / med["meshsim sim"]
             cells = " ".join(f"{med[n]:16.1f}" for n in names)
             print(f"{op:24} {ws:>3} {cells} {ratio:12.2f}x")
-    bare = {ws: statistics.median(table[("bare threads", "", ws)]) * 1e6 for ws in sizes}
-    floor = ", ".join(f"{us:.0f} us at {ws}" for ws, us in bare.items())
-    print(f"\nstarting and joining bare Python threads, one per rank (the floor of setup+teardown): {floor}")
+    for key, text in (
+        ("fresh threads", "meshsim sim setup+teardown with MESHSIM_REUSE_THREADS=0 (new rank threads)"),
+        ("bare threads", "starting and joining bare Python threads, one per rank (what reuse saves)"),
+    ):
+        med = {ws: statistics.median(table[(key, "", ws)]) * 1e6 for ws in sizes}
+        print(f"\n{text}: " + ", ".join(f"{us:.0f} us at {ws}" for ws, us in med.items()))
 
 
 def _big_world() -> None:

@@ -5,6 +5,7 @@ See the README for a guide; every name below is documented where it is defined.
 
 from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError
 from meshsim._ledger import Collective, Ledger, record
+from meshsim._threads import end_idle_threads
 from meshsim._world import run
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "Ledger",
     "MeshError",
     "RankError",
+    "end_idle_threads",
     "record",
     "run",
 ]

@@ -23,10 +23,9 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
 
-from meshsim._doorbell import Doorbell, doorbells
+from meshsim._doorbell import Doorbell
 from meshsim._errors import DeadlockError, WorldAborted
 
 __all__ = ["Scheduler", "Waitable"]
@@ -66,17 +65,24 @@ class Scheduler:
 
     Args:
         world_size: number of ranks.
+        bells: each rank's doorbell, where its thread sleeps (before it starts, too:
+            the first ring starts it). They belong to the rank threads.
 
     Keyword args:
         serialize: run one rank at a time (see the module docstring).
         switch_out: called in a rank's thread, with the lock held, just before
             it hands the baton to another rank (serialize mode).
         switch_in: called in a rank's thread when it resumes after another rank ran.
+
+    Attributes:
+        finished: set when the world fails; its owner sets it too once every rank
+            thread is through (:class:`meshsim._threads.Countdown`).
     """
 
     def __init__(
         self,
         world_size: int,
+        bells: Sequence[Doorbell],
         *,
         serialize: bool,
         switch_out: Callable[[int], None],
@@ -94,16 +100,16 @@ class Scheduler:
         # Each rank sleeps at its own doorbell (see _doorbell). Wake-ups are collected while
         # the lock is held and delivered after it is released, so a woken rank never
         # wakes only to block again on the lock (that doubled the cost of a hand-over).
-        self._bells = doorbells(world_size)
-        # Closed by close() once no rank thread is left; if one was left behind (stuck
-        # in C code), when the last reference to the scheduler goes.
-        self._close_bells = weakref.finalize(self, _close, self._bells)
-        self._parked = [False] * world_size
+        if len(bells) != world_size:
+            raise ValueError(f"a {world_size}-rank world needs {world_size} doorbells, got {len(bells)}")
+        self._bells = list(bells)
+        # A rank not yet started sleeps at its doorbell too: it is started by the
+        # first ring (see _threads), like a rank parked in _await_turn.
+        self._parked = [True] * world_size
         self._signals: list[int] = []
         self._idents: list[int | None] = [None] * world_size
         self._outcome: list[str] = [""] * world_size
-        # No rank runs before begin(): starting a thread then costs the starter only
-        # the new thread's first steps, not rank 0's whole first turn.
+        # No rank runs before begin(), which rings the first one(s).
         self._holder: int | None = None
         self._begun = False
         self._last_ran: int | None = None
@@ -113,14 +119,16 @@ class Scheduler:
     # -- called by rank threads -------------------------------------------------
 
     def begin(self) -> None:
-        """Let rank 0 run (serialize mode); call once every rank thread has started."""
+        """Start the world: rank 0 in serialize mode, every rank otherwise."""
         self.lock.acquire()
         try:
             self._begun = True
-            if self.serialize and self._holder is None and self._state[0] == _READY:
+            if not self.serialize:
+                for rank in range(self.world_size):
+                    self._signal(rank)
+            elif self._holder is None and self._state[0] == _READY:
                 self._holder = 0
                 self._signal(0)
-            # free-running ranks may already have blocked or finished
             self._check_deadlock()
         finally:
             self._unlock()
@@ -162,8 +170,7 @@ class Scheduler:
             self._done += 1
             self._progress_at = time.monotonic()
             if self._done == self.world_size:
-                self.finished.set()
-                return
+                return  # the world sets `finished` once every rank thread is through
             if self.serialize and self._holder == rank:
                 self._pass_baton(rank)
             self._check_deadlock()
@@ -225,10 +232,6 @@ class Scheduler:
             return self._abort(self._timeout_error(idle, timeout))
         finally:
             self._unlock()
-
-    def close(self) -> None:
-        """Release the doorbells; call once no rank thread is left."""
-        self._close_bells()  # runs once, however often it is called
 
     # -- internals (lock held) --------------------------------------------------
 
@@ -400,11 +403,6 @@ class Scheduler:
             f"code: {who}.\n" + "\n".join(lines)
         )
         return DeadlockError(message, states=states, timed_out=True, ranks=busy)
-
-
-def _close(bells: list[Doorbell]) -> None:
-    for bell in bells:
-        bell.close()
 
 
 _NONE: tuple[int, ...] = ()

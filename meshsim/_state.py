@@ -8,6 +8,7 @@ puts the caller's values back when the world ends (:class:`ProcessState`).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -43,13 +44,10 @@ class RankState:
     def fresh(cls, world_size: int) -> list[RankState]:
         """Every rank's starting state: the caller's RNG and dtype, as after a fork."""
         rng, cuda_rng, dtype = torch.get_rng_state(), _cuda_rng(), torch.get_default_dtype()
-        states = []
-        for rank in range(world_size):
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-            env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-            per_rank = _encoded({k: env[k] for k in _PER_RANK_ENV})
-            states.append(cls(rank, world_size, rng, cuda_rng, dtype, env, per_rank))
-        return states
+        return [
+            cls(rank, world_size, rng, cuda_rng, dtype, *_rank_env(rank, world_size))
+            for rank in range(world_size)
+        ]
 
     def save(self) -> None:
         """Remember the process's current values as this rank's (runs at every hand-over)."""
@@ -133,6 +131,14 @@ class ProcessState:
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_env(rank: int, world_size: int) -> tuple[dict[str, str], list[tuple[Any, Any]]]:
+    """A rank's environment variables, and its per-rank ones encoded (read-only: shared)."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+    env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    return env, _encoded({k: env[k] for k in _PER_RANK_ENV})
 
 
 def _deterministic() -> tuple[bool, bool]:

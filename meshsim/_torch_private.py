@@ -387,3 +387,33 @@ def premul_factor(reduce_op: Any) -> float | torch.Tensor:
     """The scale factor of a PREMUL_SUM ``ReduceOp`` (``torch.distributed._make_nccl_premul_sum``)."""
     factor: float | torch.Tensor = reduce_op.factor
     return factor
+
+
+def thread_fingerprint() -> tuple[Any, ...]:
+    """torch's per-thread state, to tell whether a finished rank thread is as good as new.
+
+    Grad, forward-grad and inference modes, the torch-function and dispatch mode
+    stacks (``set_default_device`` and ``autocast`` live there or in the dispatch
+    key sets), saved-tensor hooks and DeviceMesh's per-thread mesh stack: a rank
+    thread whose fingerprint differs from the one it had when new is not reused.
+    """
+    C: Any = torch._C
+    mesh_env = getattr(_device_mesh(), "_mesh_resources", None)
+    return (
+        torch.is_grad_enabled(),
+        C._is_fwd_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        C._len_torch_function_stack(),
+        C._len_torch_dispatch_stack(),
+        C._dispatch_tls_local_include_set(),
+        C._dispatch_tls_local_exclude_set(),
+        C._autograd._saved_tensors_hooks_is_enabled(),
+        C._autograd._top_saved_tensors_default_hooks(True) is None,
+        len(getattr(mesh_env, "mesh_stack", ())),
+    )
+
+
+def _device_mesh() -> Any:
+    import torch.distributed.device_mesh as device_mesh
+
+    return device_mesh

@@ -15,7 +15,6 @@ import functools
 import math
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, Store
 
-from meshsim import _patches, _torch_private
+from meshsim import _patches, _threads, _torch_private
 from meshsim._backend import (
     BACKEND_NAME,
     RankContext,
@@ -161,24 +160,44 @@ class _World:
         self.backend = backend
         self.gpu_paths = gpu_paths
         self.num_threads = num_threads
+        self.workers, self.new_workers = _threads.take(world_size)
         self.scheduler = Scheduler(
-            world_size, serialize=serialize, switch_out=self._switch_out, switch_in=self._switch_in
+            world_size,
+            [worker.bell for worker in self.workers],
+            serialize=serialize,
+            switch_out=self._switch_out,
+            switch_in=self._switch_in,
         )
+        # wakes the caller when the last rank thread is through, not when the last
+        # rank finishes its function and is still tidying up
+        self.jobs = _threads.Countdown(world_size, also=self.scheduler.finished)
         self.rendezvous = Rendezvous(self.scheduler)
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
         self.states: list[RankState] = []
-        self.threads: list[threading.Thread] = []
+        self.num_threads_default = 1  # the caller's, for reused threads when num_threads is None
         self.store: Store | None = None
         self.group_store: Store | None = None
         self.stuck: list[int] = []
         self.cpu: int | None = None
+        self.cpus: frozenset[int] | None = None  # where rank threads run
         self.recorders: list[DispatchRecorder] = []  # gloo: when each rank last entered a collective
 
     # -- the caller's side ----------------------------------------------------------
 
     def run(self) -> list[Any]:
+        self.cpu = self._rank_cpu() if self.scheduler.serialize else None
+        self.cpus = frozenset({self.cpu}) if self.cpu is not None else _affinity()
+        # The caller runs on the ranks' CPU too while the world lives: its hand-overs
+        # with them (the start, the end) then need no cross-CPU wake-up, which made a
+        # world's set-up and teardown ~1.5x slower on a 2-CPU VM. New rank threads
+        # inherit the pinning.
+        with _pinned_to(self.cpu):
+            return self._run()
+
+    def _run(self) -> list[Any]:
         saved = ProcessState.capture()
+        self.num_threads_default = saved.num_threads
         with _patches.process_global_patches(BACKEND_NAME, create_process_group):
             try:
                 self._start()
@@ -195,18 +214,27 @@ class _World:
         self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
 
-        self.cpu = _current_cpu() if self.scheduler.serialize else None
         if self.scheduler.serialize:
             self.states = RankState.fresh(self.world_size)
             self.states[0].load_world_env()
-        with _pinned_to(self.cpu):  # rank threads inherit it: no migration once they run
-            for rank in range(self.world_size):
-                thread = threading.Thread(
-                    target=self._rank_main, args=(rank,), name=f"meshsim-rank-{rank}", daemon=True
-                )
-                self.threads.append(thread)
-                thread.start()
+        for rank, worker in enumerate(self.workers):
+            worker.assign(functools.partial(self._rank_main, rank), self.jobs, f"meshsim-rank-{rank}")
+        for worker in self.new_workers:  # they inherit the caller's pinning (run)
+            worker.cpus = self.cpus
+            worker.thread.start()
         self.scheduler.begin()
+
+    def _rank_cpu(self) -> int | None:
+        """The one CPU serialized ranks run on: where reused threads already are, if they agree."""
+        new = {id(w) for w in self.new_workers}
+        pinned = {w.cpus for w in self.workers if id(w) not in new}
+        if len(pinned) == 1:
+            cpus = pinned.pop()
+            if cpus is not None and len(cpus) == 1:
+                (cpu,) = cpus
+                if hasattr(os, "sched_getaffinity") and cpu in os.sched_getaffinity(0):
+                    return cpu  # moving threads to another CPU costs ~25 us each
+        return _current_cpu()
 
     def _supervise(self) -> None:
         poll = min(0.05, self.timeout / 10)
@@ -215,23 +243,32 @@ class _World:
             scheduler.check_timeout(self.timeout)
 
     def _stop(self) -> None:
-        """Wait for every rank thread; after an abort, interrupt ranks still running user code."""
+        """Wait for every rank's job; after an abort, interrupt ranks still running user code."""
         start = time.monotonic()
         interrupted: set[int] = set()
-        for thread in self.threads:
-            while thread.is_alive():
-                thread.join(0.01)
-                if self.scheduler.error is None or not thread.is_alive():
-                    continue
-                now = time.monotonic()
-                if now > self._give_up_at(start):
-                    break
-                if now - start > _INTERRUPT_AFTER:
-                    interrupted -= _patches.take_swallowed_interrupts()
-                    _interrupt(self.scheduler.running_idents(), interrupted)
-        self.stuck = [r for r, t in enumerate(self.threads) if t.is_alive()]
-        if not self.stuck:  # a thread left behind may still wait at its doorbell
-            self.scheduler.close()
+        while not self.jobs.wait(0.01):
+            if self.scheduler.error is None:
+                continue
+            now = time.monotonic()
+            if now > self._give_up_at(start):
+                break
+            if now - start > _INTERRUPT_AFTER:
+                interrupted -= _patches.take_swallowed_interrupts()
+                _interrupt(self.scheduler.running_idents(), interrupted)
+        self.stuck = [r for r, worker in enumerate(self.workers) if worker.busy]
+        self._release_workers()
+
+    def _release_workers(self) -> None:
+        """Keep a clean world's rank threads for the next world; end a failed world's."""
+        workers = self.workers
+        if self.scheduler.error is None and not self.stuck:
+            retire = _threads.give_back(workers)
+        else:
+            retire = [w for w in workers if not w.busy]
+            for rank in self.stuck:
+                workers[rank].abandon()
+        for worker in retire:
+            worker.retire(_STOP_GRACE)
 
     def _give_up_at(self, start: float) -> float:
         """When a stopping world stops waiting for its rank threads and leaves them behind."""
@@ -276,14 +313,15 @@ class _World:
     def _rank_body(self, rank: int) -> None:
         context = RankContext(rank, self.world_size, self.scheduler, self.rendezvous)
         bind_rank(context)
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)  # per thread; ProcessState restores the default
-        if self.cpu is not None and os.sched_getaffinity(0) != {self.cpu}:
-            # Serialized ranks never run at once, so one core loses nothing, and
-            # keeps torch's per-thread state warm in one cache across hand-overs
-            # (torch calls right after a hand-over ran ~3x slower without it).
-            # Threads are started pinned (_pinned_to); this is for the exception.
-            os.sched_setaffinity(0, {self.cpu})
+        # per thread; ProcessState restores the default. None: what a new thread gets.
+        num_threads = self.num_threads if self.num_threads is not None else self.num_threads_default
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+        # Serialized ranks never run at once, so one core loses nothing, and keeps
+        # torch's per-thread state warm in one cache across hand-overs (torch calls
+        # right after a hand-over ran ~3x slower without it). New threads start
+        # pinned (see run); a reused one may come from a world pinned elsewhere.
+        self.workers[rank].pin(self.cpus)
         outcome = "finished: its function returned"
         recorder: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.backend == "gloo":
@@ -380,7 +418,10 @@ def _drop_frame_locals(exc: BaseException) -> None:
 
 @contextlib.contextmanager
 def _pinned_to(cpu: int | None) -> Iterator[None]:
-    """Run the calling thread on ``cpu`` for the block (threads it starts inherit that)."""
+    """Run the calling thread on ``cpu`` for the block (threads it starts inherit that).
+
+    Two system calls on the way in and one out: a few microseconds.
+    """
     if cpu is None:
         yield
         return
@@ -390,6 +431,13 @@ def _pinned_to(cpu: int | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, saved)
+
+
+def _affinity() -> frozenset[int] | None:
+    """The CPUs the calling thread may run on, where the platform can tell."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return frozenset(os.sched_getaffinity(0))
 
 
 @functools.cache

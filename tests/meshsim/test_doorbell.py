@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _doorbell
+from meshsim import _doorbell, _threads
 from meshsim._doorbell import Doorbell, EventBell, LockBell
 
 KINDS = [pytest.param(LockBell, id="lock")]
@@ -59,10 +59,22 @@ def test_a_ring_wakes_a_waiting_thread(bell: Doorbell) -> None:
     thread.join(2.0)
 
 
-def test_worlds_larger_than_the_descriptor_share_use_locks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_doorbell, "_fd_limit", lambda: 64)
-    bells = _doorbell.doorbells(8)  # 64 // 16 = 4 ranks at most on eventfds
-    assert {type(b) for b in bells} == {LockBell}
+def _take_and_retire(count: int) -> list[type]:
+    """The doorbell kinds of ``count`` new rank threads (never started, then retired)."""
+    meshsim.end_idle_threads()  # idle threads' eventfds count against the budget
+    workers, fresh = _threads.take(count)
+    assert fresh == workers
+    kinds = [type(w.bell) for w in workers]
+    for worker in workers:
+        assert worker.retire(1.0)
+    return kinds
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
+def test_rank_threads_past_the_descriptor_share_use_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_doorbell, "_fd_limit", lambda: 64)  # 64 // 16 = 4 eventfds at most
+    assert _take_and_retire(6) == [EventBell] * 4 + [LockBell] * 2
+    assert _take_and_retire(6) == [EventBell] * 4 + [LockBell] * 2  # closed ones were given back
 
 
 @pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
@@ -78,9 +90,8 @@ def test_running_out_of_descriptors_falls_back_to_locks(monkeypatch: pytest.Monk
         return fd
 
     monkeypatch.setattr(os, "eventfd", scarce)
-    bells = _doorbell.doorbells(4)
-    assert {type(b) for b in bells} == {LockBell}
-    for fd in made:  # the two made before the failure were closed
+    assert _take_and_retire(4) == [EventBell] * 2 + [LockBell] * 2
+    for fd in made:  # retiring a thread closes its doorbell
         with pytest.raises(OSError):
             os.fstat(fd)
 
@@ -93,12 +104,23 @@ def _ring_all_reduce() -> list[float]:
     return x.tolist()
 
 
-@pytest.mark.parametrize("fd_limit", [1 << 16, 0], ids=["eventfd", "lock"])
-def test_worlds_run_the_same_on_either_doorbell(monkeypatch: pytest.MonkeyPatch, fd_limit: int) -> None:
+@pytest.mark.parametrize(
+    ("fd_limit", "kind"), [(1 << 16, "EventBell"), (0, "LockBell")], ids=["eventfd", "lock"]
+)
+def test_worlds_run_the_same_on_either_doorbell(
+    monkeypatch: pytest.MonkeyPatch, fd_limit: int, kind: str
+) -> None:
+    if kind == "EventBell" and not hasattr(os, "eventfd"):
+        pytest.skip("eventfd is Linux-only")
     monkeypatch.setattr(_doorbell, "_fd_limit", lambda: fd_limit)
+    meshsim.end_idle_threads()  # new rank threads, with doorbells made under this limit
     results = meshsim.run(_ring_all_reduce, 4)
     expected = [6.0 * 4.0**19] * 3
     assert results == [expected] * 4
+    idle = _threads._POOL.take_all()
+    for worker in idle:
+        assert worker.retire(5.0)
+    assert [type(w.bell).__name__ for w in idle] == [kind] * 4
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
@@ -117,7 +139,8 @@ def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None
                 pass  # the listing's own descriptor
         return links.count("anon_inode:[eventfd]")
 
-    gc.collect()  # an earlier test's world collected during this one would close its doorbells
+    meshsim.end_idle_threads()  # they keep their doorbells
+    gc.collect()
     before = eventfds()
     with pytest.raises(meshsim.DeadlockError) as info:
         meshsim.run(body, 2, timeout=0.3)

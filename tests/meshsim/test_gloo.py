@@ -118,6 +118,7 @@ def test_a_failed_gloo_world_closes_its_sockets_when_it_ends() -> None:
     frames, and so their gloo groups and sockets, alive until a later gc; peers blocked on
     those sockets waited for that too."""
     meshsim.run(dist.barrier, 2, backend="gloo", timeout=10)  # gloo's process-wide device
+    meshsim.end_idle_threads()  # idle rank threads keep their doorbells
     gc.collect()  # earlier tests' garbage must not close sockets in the middle of this one
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(meshsim.RankError, match="five fails"):

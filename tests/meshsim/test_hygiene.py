@@ -116,12 +116,16 @@ def test_process_state_is_restored(name: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  (imported before the snapshot)
     from torch.distributed.tensor import _collective_utils  # noqa: F401
 
+    meshsim.end_idle_threads()  # idle rank threads keep their doorbells
     gc.collect()  # an earlier test's world collected during this one would close its doorbells
     before = snapshot()
+    failed = False
     try:
         meshsim.run(PROGRAMS[name], 3, timeout=30)
     except meshsim.MeshError:
-        pass
+        failed = True
+    # a clean world's rank threads wait for the next world; a failed world's end with it
+    assert meshsim.end_idle_threads() == (0 if failed else 3)
     assert same(before, snapshot()) == []
     assert "MESHSIM" not in dist.Backend._plugins and not hasattr(dist.Backend, "MESHSIM")
 
@@ -160,10 +164,12 @@ def test_a_thousand_worlds_half_failing_leave_threads_descriptors_and_memory_fla
 
     for i in range(100):  # warm-up: imports, caches, allocator pools
         one(i)
+    meshsim.end_idle_threads()
     gc.collect()
     threads, rss, eventfds = threading.active_count(), _rss_bytes(), _eventfds()
     for i in range(1000):
         one(i)
+    assert meshsim.end_idle_threads() == 0  # the last world failed: its threads ended with it
     gc.collect()
     grown = _rss_bytes() - rss
     assert threading.active_count() == threads

@@ -130,7 +130,9 @@ def snapshot(backend: str = "sim") -> dict[str, Any]:
     Descriptors: a sim world opens eventfds (its doorbells), a gloo world sockets too.
     Sockets are counted for gloo cases only, which start with a garbage collection:
     other tests' gloo sockets left in reference cycles may close at any collection.
+    Idle rank threads, kept for later worlds with their doorbells, are ended first.
     """
+    meshsim.end_idle_threads()
     return {
         "threads": threading.active_count(),
         "rank threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("meshsim-rank-")),

@@ -1,0 +1,199 @@
+"""Rank threads are reused by later worlds only while they are as good as new."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshsim
+from meshsim import _threads
+
+VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
+
+
+@pytest.fixture(autouse=True)
+def no_idle_threads() -> Iterator[None]:
+    """Each test starts and ends with no idle rank thread."""
+    meshsim.end_idle_threads()
+    yield
+    meshsim.end_idle_threads()
+
+
+def this_thread() -> threading.Thread:
+    return threading.current_thread()
+
+
+def test_a_clean_worlds_threads_serve_the_next_world() -> None:
+    first = meshsim.run(this_thread, 4)
+    assert _threads.idle_count() == 4
+    assert all(t.name == "meshsim-idle" for t in first)
+    second = meshsim.run(this_thread, 4)
+    assert set(second) == set(first)
+    assert meshsim.run(lambda: threading.current_thread().name, 4) == [f"meshsim-rank-{r}" for r in range(4)]
+
+
+def test_a_failed_worlds_threads_end_with_it() -> None:
+    first = meshsim.run(this_thread, 3)
+    kept: list[threading.Thread] = []
+
+    def body() -> None:
+        kept.append(threading.current_thread())
+        if dist.get_rank() == 2:
+            raise ValueError("rank 2 fails")
+        dist.barrier()
+
+    with pytest.raises(meshsim.RankError, match="rank 2 fails"):
+        meshsim.run(body, 3)
+    assert set(kept) == set(first)  # the failed world ran on the idle threads...
+    assert _threads.idle_count() == 0
+    assert not any(t.is_alive() for t in kept)  # ...which ended before run() returned
+
+
+def test_a_thread_whose_torch_state_changed_is_not_reused() -> None:
+    def body() -> threading.Thread:
+        if dist.get_rank() == 1:
+            torch.set_grad_enabled(False)  # left off when the rank returns
+        return threading.current_thread()
+
+    first = meshsim.run(body, 3)
+    assert _threads.idle_count() == 2
+    assert not first[1].is_alive()
+    second = meshsim.run(lambda: (threading.current_thread(), torch.is_grad_enabled()), 3)
+    assert [grad for _, grad in second] == [True] * 3
+    assert first[1] not in {t for t, _ in second}
+
+
+@pytest.mark.parametrize(
+    "leave",
+    [
+        pytest.param(torch.inference_mode, id="inference_mode"),
+        pytest.param(lambda: torch.autocast("cpu"), id="autocast"),
+        pytest.param(lambda: torch.autograd.graph.saved_tensors_hooks(id, id), id="saved_hooks"),
+        pytest.param(lambda: torch.device("meta"), id="default_device"),
+    ],
+)
+def test_any_torch_thread_state_left_behind_retires_the_thread(leave: Any) -> None:
+    entered: list[Any] = []  # kept: some of these undo themselves when collected
+
+    def body() -> None:
+        if dist.get_rank() == 0:
+            manager = leave()
+            manager.__enter__()
+            entered.append(manager)
+
+    meshsim.run(body, 2)
+    assert _threads.idle_count() == 1
+
+
+def test_each_rank_starts_in_an_empty_context_as_a_new_thread_does() -> None:
+    def body() -> str:
+        seen = VAR.get()
+        VAR.set(f"rank {dist.get_rank()}")
+        return seen
+
+    assert meshsim.run(body, 2) == ["unset", "unset"]
+    assert _threads.idle_count() == 2
+    assert meshsim.run(body, 2) == ["unset", "unset"]
+
+
+def test_reused_threads_get_threadings_trace_hook_as_new_ones_do() -> None:
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        return None
+
+    meshsim.run(this_thread, 2)  # idle threads made before the hook was set
+    threading.settrace(hook)
+    try:
+        seen = meshsim.run(lambda: sys.gettrace() is hook, 3)  # two reused, one new
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    assert seen == [True] * 3
+    assert meshsim.run(lambda: sys.gettrace(), 3) == [None] * 3
+
+
+def test_num_threads_none_gives_a_reused_thread_what_a_new_one_gets() -> None:
+    meshsim.run(this_thread, 2, num_threads=2)
+    caller = torch.get_num_threads()
+    assert meshsim.run(torch.get_num_threads, 2, num_threads=None) == [caller] * 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
+def test_free_running_ranks_on_reused_threads_run_where_the_caller_may() -> None:
+    meshsim.run(this_thread, 2)  # serialized: its threads are pinned to one CPU
+    caller = os.sched_getaffinity(0)
+    assert meshsim.run(lambda: os.sched_getaffinity(0), 2, serialize=False) == [caller] * 2
+
+
+def test_idle_threads_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_threads, "MAX_IDLE", 3)
+    threads = meshsim.run(this_thread, 5)
+    assert _threads.idle_count() == 3
+    assert sum(t.is_alive() for t in threads) == 3
+
+
+def test_idle_threads_end_by_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_threads, "IDLE_LIFETIME", 0.05)
+    monkeypatch.setattr(_threads, "_POLL", 0.02)
+    threads = meshsim.run(this_thread, 2)
+    for thread in threads:
+        thread.join(5.0)
+    assert not any(t.is_alive() for t in threads)
+    assert _threads.idle_count() == 0
+
+
+def test_reuse_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSIM_REUSE_THREADS", "0")
+    threads = meshsim.run(this_thread, 2)
+    assert _threads.idle_count() == 0
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_end_idle_threads_rejects_a_bad_timeout() -> None:
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got -1"):
+        meshsim.end_idle_threads(timeout=-1)
+
+
+def test_a_rank_blocked_in_c_code_is_left_and_its_thread_never_reused() -> None:
+    def body() -> threading.Thread:
+        if dist.get_rank() == 1:
+            time.sleep(1.5)  # in C: the stop cannot interrupt it
+        dist.barrier()
+        return threading.current_thread()
+
+    with pytest.raises(meshsim.DeadlockError):
+        meshsim.run(body, 2, timeout=0.2)
+    stuck = [t for t in threading.enumerate() if t.name == "meshsim-rank-1"]
+    assert len(stuck) == 1
+    stuck[0].join(10.0)
+    assert not stuck[0].is_alive()  # it ended once its job did
+    assert _threads.idle_count() == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_with_no_idle_threads() -> None:
+    meshsim.run(this_thread, 2)
+    assert _threads.idle_count() == 2
+    pid = os.fork()
+    if pid == 0:  # the child: its idle threads did not survive the fork; worlds still run
+        code = 0
+        try:
+            code |= _threads.idle_count() != 0
+            code |= meshsim.run(lambda: dist.get_rank(), 2, timeout=10) != [0, 1]
+        finally:
+            os._exit(int(code))
+    deadline = time.monotonic() + 60
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish in 60 s")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
