@@ -10,7 +10,7 @@ outputs (FSDP's all_gather input is a view of its output) are safe.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,23 +23,21 @@ Tensor = torch.Tensor
 
 
 _Execute = Callable[[Sequence[Call]], None]
-_TensorsOf = Callable[[Sequence[Call]], Iterable[Tensor]]
+_NeedsGrad = Callable[[Sequence[Call]], bool]
 
 
-def _no_grad(tensors_of: _TensorsOf | None = None) -> Callable[[_Execute], _Execute]:
+def _no_grad(needs_grad: _NeedsGrad | None = None) -> Callable[[_Execute], _Execute]:
     """Run the decorated ``execute`` with autograd off.
 
-    ``tensors_of`` names every tensor the executor reads or writes: when none of
-    them requires grad, autograd records nothing anyway and its mode is left alone
-    (switching it costs more than the check, and this runs once per collective).
+    ``needs_grad`` tells whether any tensor the executor reads or writes requires
+    grad: when none does, autograd records nothing anyway and its mode is left
+    alone (switching it costs more than the check, and this runs once per collective).
     """
 
     def decorate(execute: _Execute) -> _Execute:
         @functools.wraps(execute)
         def wrapper(calls: Sequence[Call]) -> None:
-            if not torch.is_grad_enabled() or (
-                tensors_of is not None and not any(t.requires_grad for t in tensors_of(calls))
-            ):
+            if not torch.is_grad_enabled() or (needs_grad is not None and not needs_grad(calls)):
                 execute(calls)
                 return
             torch.set_grad_enabled(False)
@@ -64,20 +62,32 @@ def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:
     The ranks' signatures were compared before any data moves, so the first
     output's shape and dtype stand for all of them.
     """
-    first, device = outs[0], value.device
-    if first.shape == value.shape and first.dtype == value.dtype and all(o.device == device for o in outs):
+    if outs[0].shape == value.shape:  # copy_ converts dtypes and moves across devices
         copy_to_all(outs, value)
         return
     for out in outs:
         _write(out, value)
 
 
-def _first_payloads(calls: Sequence[Call]) -> Iterable[Tensor]:
-    return (t for c in calls for t in c.payload[0])
+def _first_payloads(calls: Sequence[Call]) -> bool:
+    """Whether a tensor of any rank's ``payload[0]`` requires grad (plain loops: no generators)."""
+    for c in calls:
+        for t in c.payload[0]:
+            if t.requires_grad:
+                return True
+    return False
 
 
-def _two_payloads(calls: Sequence[Call]) -> Iterable[Tensor]:
-    return (t for c in calls for lst in c.payload[:2] for t in lst)
+def _two_payloads(calls: Sequence[Call]) -> bool:
+    """Whether a tensor of any rank's ``payload[0]`` or ``payload[1]`` requires grad."""
+    for c in calls:
+        for t in c.payload[0]:
+            if t.requires_grad:
+                return True
+        for t in c.payload[1]:
+            if t.requires_grad:
+                return True
+    return False
 
 
 # payload: (tensors, op, factor)

@@ -20,6 +20,8 @@ import torch
 __all__ = ["ProcessState", "RankState"]
 
 _PER_RANK_ENV = ("RANK", "LOCAL_RANK")
+# Without CUDA in the build there is no CUDA RNG to swap: spares a check at every hand-over.
+_CUDA_BUILT = bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
 
 
 def _cuda_rng() -> list[torch.Tensor] | None:
@@ -52,7 +54,7 @@ class RankState:
     def save(self) -> None:
         """Remember the process's current values as this rank's (runs at every hand-over)."""
         self.rng = torch.default_generator.get_state()
-        if self.cuda_rng is not None or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        if self.cuda_rng is not None or (_CUDA_BUILT and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
             self.cuda_rng = _cuda_rng()
         self.default_dtype = torch.get_default_dtype()
 
