@@ -9,6 +9,7 @@ comes as a pair (install, uninstall); :mod:`meshsim._patches` applies them.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import sys
 import threading
@@ -317,8 +318,8 @@ def _copy(value: Any) -> Any:
 _BACKEND_CONFIGS: dict[str, str] = {}
 
 
-def install_default_group(pg: dist.ProcessGroup, backend: str, store: Store) -> None:
-    """Make ``pg`` this rank thread's default group, as ``init_process_group`` would.
+def install_default_group(pg: dist.ProcessGroup, backend: str, store: Store, world_size: int) -> None:
+    """Make ``pg``, of ``world_size`` ranks, this thread's default group as ``init_process_group`` would.
 
     ``store`` should be what c10d keeps for a default group: the world's store
     under the prefixes ``default_pg`` and ``0/`` (see :func:`default_group_store`).
@@ -344,7 +345,7 @@ def install_default_group(pg: dist.ProcessGroup, backend: str, store: Store) -> 
     world.tags_to_pg.setdefault(tag, []).append(pg)
     world.pg_to_tag[pg] = tag
     world.default_pg = pg
-    world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+    world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
 
 
 def default_group_store(store: Store) -> Store:
@@ -398,7 +399,7 @@ def thread_fingerprint() -> tuple[Any, ...]:
     thread whose fingerprint differs from the one it had when new is not reused.
     """
     C: Any = torch._C
-    mesh_env = getattr(_device_mesh(), "_mesh_resources", None)
+    mesh_env = _mesh_env()
     return (
         torch.is_grad_enabled(),
         C._is_fwd_grad_enabled(),
@@ -413,7 +414,9 @@ def thread_fingerprint() -> tuple[Any, ...]:
     )
 
 
-def _device_mesh() -> Any:
+@functools.cache
+def _mesh_env() -> Any:
+    """DeviceMesh's per-thread mesh stack holder (a threading.local), None where torch has none."""
     import torch.distributed.device_mesh as device_mesh
 
-    return device_mesh
+    return getattr(device_mesh, "_mesh_resources", None)

@@ -355,7 +355,7 @@ class _World:
         if self.backend == "sim":
             assert self.group_store is not None
             pg = default_process_group(context)
-            _torch_private.install_default_group(pg, BACKEND_NAME, self.group_store)
+            _torch_private.install_default_group(pg, BACKEND_NAME, self.group_store, self.world_size)
             return
         dist.init_process_group(
             "gloo",
