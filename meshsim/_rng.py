@@ -19,7 +19,8 @@ import random
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 __all__ = ["enter_rank", "install", "leave_rank", "uninstall"]
 
@@ -101,23 +102,54 @@ def _plan() -> list[_Route]:
     return plan
 
 
-_plans: dict[tuple[int, int], list[_Route]] = {}
+@dataclass(frozen=True)
+class _ModulePlan:
+    """One module's routes, as the mappings a world's start and end write into its namespace."""
+
+    namespace: dict[str, Any]
+    names: tuple[str, ...]
+    originals: tuple[Any, ...]
+    routed: dict[str, Any]
+    restored: dict[str, Any]
+
+    def current(self) -> tuple[Any, ...]:
+        return tuple(map(self.namespace.get, self.names))
 
 
-def install() -> list[_Route]:
+def _by_module(routes: list[_Route]) -> list[_ModulePlan]:
+    grouped: dict[int, list[_Route]] = {}
+    for route in routes:
+        grouped.setdefault(id(route[0]), []).append(route)
+    return [
+        _ModulePlan(
+            cast(dict[str, Any], group[0][0].__dict__),  # a module's namespace: a plain dict
+            tuple(name for _, name, _, _ in group),
+            tuple(original for _, _, original, _ in group),
+            {name: routed for _, name, _, routed in group},
+            {name: original for _, name, original, _ in group},
+        )
+        for group in grouped.values()
+    ]
+
+
+_plans: dict[tuple[int, int], list[_ModulePlan]] = {}
+
+
+def install() -> list[_ModulePlan]:
     """Route the module-level RNG functions per rank; returns what :func:`uninstall` restores."""
     key = (id(random.random), id(sys.modules.get("numpy.random")))
     plan = _plans.get(key)
-    if plan is None or any(getattr(m, n) is not orig for m, n, orig, _ in plan):
-        plan = _plans[key] = _plan()
-    for module, name, _, routed in plan:
-        setattr(module, name, routed)
+    # rebuilt when a module's functions were rebound since (monkeypatching, a reload)
+    if plan is None or any(part.current() != part.originals for part in plan):
+        plan = _plans[key] = _by_module(_plan())
+    for part in plan:
+        part.namespace.update(part.routed)  # one call per module: this runs at every world's start
     return plan
 
 
-def uninstall(plan: list[_Route]) -> None:
-    for module, name, original, _ in reversed(plan):
-        setattr(module, name, original)
+def uninstall(plan: list[_ModulePlan]) -> None:
+    for part in reversed(plan):
+        part.namespace.update(part.restored)
 
 
 def enter_rank() -> None:

@@ -354,11 +354,11 @@ def default_group_store(store: Store) -> Store:
 
 
 def forget_groups() -> None:
-    """Drop this rank thread's process groups (the world's end; no collective is left to run)."""
+    """Drop this rank thread's process groups from torch's registry (the world's end).
+
+    Its c10d world goes with :func:`leave_rank_thread`, which follows.
+    """
     torch._C._distributed_c10d._unregister_all_process_groups()
-    worlds = c10d._world
-    if isinstance(worlds, _ThreadWorlds) and worlds._in_rank:
-        worlds.enter()
 
 
 def c10d_globals() -> tuple[Any, Any]:

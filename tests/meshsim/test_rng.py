@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import threading
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -107,3 +111,22 @@ def test_unseeded_python_random_starts_from_the_callers_state() -> None:
 
     assert meshsim.run(body, 2) == [expected, expected]
     assert random.random() == expected  # the caller's generator did not move
+
+
+def test_a_function_rebound_between_worlds_is_left_unrouted_and_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    meshsim.run(lambda: random.random(), 2)  # the routes are built and cached
+    calls: list[str] = []
+    original = random.uniform
+
+    def uniform(a: float, b: float) -> float:  # rebound by the test, as a monkeypatch would
+        calls.append(threading.current_thread().name)
+        return original(a, b)
+
+    monkeypatch.setattr(random, "uniform", uniform)
+    meshsim.run(lambda: random.uniform(0, 1), 2)
+    assert random.uniform is uniform  # put back as it was found, not as it was cached
+    # not a method of random's generator, so it is the user's own function: left unrouted
+    assert sorted(calls) == ["meshsim-rank-0", "meshsim-rank-1"]
+    assert random.random == random._inst.random  # type: ignore[attr-defined]  # the rest: restored
