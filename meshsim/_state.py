@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from meshsim import _torch_private
+
 __all__ = ["ProcessState", "RankState"]
 
 _PER_RANK_ENV = ("RANK", "LOCAL_RANK")
@@ -96,6 +98,7 @@ class ProcessState:
     deterministic: tuple[bool, bool]
     default_dtype: torch.dtype
     environ: dict[Any, Any]
+    forward_ad_level: int
 
     @classmethod
     def capture(cls) -> ProcessState:
@@ -111,6 +114,7 @@ class ProcessState:
             _deterministic(),
             torch.get_default_dtype(),
             _environ_snapshot(),
+            _torch_private.forward_ad_level(),
         )
 
     def restore(self) -> None:
@@ -133,6 +137,9 @@ class ProcessState:
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
+        # a dual level a rank entered and never exited (the level is process-wide)
+        if _torch_private.forward_ad_level() > self.forward_ad_level:
+            _torch_private.exit_forward_ad_levels(self.forward_ad_level)
 
 
 @functools.lru_cache(maxsize=1024)

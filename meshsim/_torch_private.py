@@ -420,3 +420,19 @@ def _mesh_env() -> Any:
     import torch.distributed.device_mesh as device_mesh
 
     return getattr(device_mesh, "_mesh_resources", None)
+
+
+def forward_ad_level() -> int:
+    """The innermost forward-AD dual level (-1: none), which ``forward_ad`` keeps in a module global."""
+    from torch.autograd import forward_ad
+
+    level: int = forward_ad._current_level
+    return level
+
+
+def exit_forward_ad_levels(down_to: int) -> None:
+    """Exit the dual levels entered since the process was at level ``down_to`` (innermost first)."""
+    from torch.autograd import forward_ad
+
+    while forward_ad._current_level > down_to:
+        forward_ad.exit_dual_level()  # type: ignore[no-untyped-call]

@@ -41,12 +41,17 @@ def deadlocks() -> None:
         dist.barrier()
 
 
+LEFT_OPEN: list[object] = []
+
+
 def meddles() -> None:
     """Changes process-global state the way user code might."""
     torch.manual_seed(123)
     torch.set_default_dtype(torch.float64)
     os.environ["MESHSIM_TEST_LEAK"] = "1"
     torch.use_deterministic_algorithms(True)
+    LEFT_OPEN.append(torch.autograd.forward_ad.dual_level())
+    LEFT_OPEN[-1].__enter__()  # never exited: the dual level is process-wide
     dist.barrier()
 
 
@@ -81,6 +86,7 @@ def snapshot() -> dict[str, Any]:
         "local_tensor_mode": _collective_utils.local_tensor_mode,
         "threads": threading.active_count(),
         "eventfds": _eventfds(),
+        "forward AD level": torch.autograd.forward_ad._current_level,
     }
 
 
