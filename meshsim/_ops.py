@@ -69,25 +69,21 @@ def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:
         _write(out, value)
 
 
-def _first_payloads(calls: Sequence[Call]) -> bool:
-    """Whether a tensor of any rank's ``payload[0]`` requires grad (plain loops: no generators)."""
+def _requires_grad(calls: Sequence[Call], index: int) -> bool:
+    """Whether a tensor of any rank's ``payload[index]`` requires grad (plain loops: no generators)."""
     for c in calls:
-        for t in c.payload[0]:
+        for t in c.payload[index]:
             if t.requires_grad:
                 return True
     return False
+
+
+def _first_payloads(calls: Sequence[Call]) -> bool:
+    return _requires_grad(calls, 0)
 
 
 def _two_payloads(calls: Sequence[Call]) -> bool:
-    """Whether a tensor of any rank's ``payload[0]`` or ``payload[1]`` requires grad."""
-    for c in calls:
-        for t in c.payload[0]:
-            if t.requires_grad:
-                return True
-        for t in c.payload[1]:
-            if t.requires_grad:
-                return True
-    return False
+    return _requires_grad(calls, 0) or _requires_grad(calls, 1)
 
 
 # payload: (tensors, op, factor)

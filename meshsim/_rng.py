@@ -83,25 +83,6 @@ def _router(original: Callable[..., Any], method: str, pick: Callable[[], Any]) 
     return routed
 
 
-def _plan() -> list[_Route]:
-    modules: list[tuple[Any, dict[str, str], Callable[[], Any]]] = [
-        (random, _python_names(), _python_generator)
-    ]
-    nprandom = sys.modules.get("numpy.random")
-    if nprandom is not None:
-        modules.append((nprandom, _numpy_names(nprandom), _numpy_generator))
-    plan = []
-    for module, names, pick in modules:
-        for name, method in names.items():
-            original = getattr(module, name)
-            route = _routes.get((id(module), name))
-            if route is None or route[2] is not original:
-                route = (module, name, original, _router(original, method, pick))
-                _routes[(id(module), name)] = route
-            plan.append(route)
-    return plan
-
-
 @dataclass(frozen=True)
 class _ModulePlan:
     """One module's routes, as the mappings a world's start and end write into its namespace."""
@@ -116,20 +97,32 @@ class _ModulePlan:
         return tuple(map(self.namespace.get, self.names))
 
 
-def _by_module(routes: list[_Route]) -> list[_ModulePlan]:
-    grouped: dict[int, list[_Route]] = {}
-    for route in routes:
-        grouped.setdefault(id(route[0]), []).append(route)
-    return [
-        _ModulePlan(
-            cast(dict[str, Any], group[0][0].__dict__),  # a module's namespace: a plain dict
-            tuple(name for _, name, _, _ in group),
-            tuple(original for _, _, original, _ in group),
-            {name: routed for _, name, _, routed in group},
-            {name: original for _, name, original, _ in group},
-        )
-        for group in grouped.values()
+def _plan() -> list[_ModulePlan]:
+    modules: list[tuple[Any, dict[str, str], Callable[[], Any]]] = [
+        (random, _python_names(), _python_generator)
     ]
+    nprandom = sys.modules.get("numpy.random")
+    if nprandom is not None:
+        modules.append((nprandom, _numpy_names(nprandom), _numpy_generator))
+    return [_module_plan(module, names, pick) for module, names, pick in modules]
+
+
+def _module_plan(module: Any, names: dict[str, str], pick: Callable[[], Any]) -> _ModulePlan:
+    routes = []
+    for name, method in names.items():
+        original = getattr(module, name)
+        route = _routes.get((id(module), name))
+        if route is None or route[2] is not original:
+            route = (module, name, original, _router(original, method, pick))
+            _routes[(id(module), name)] = route
+        routes.append(route)
+    return _ModulePlan(
+        cast(dict[str, Any], module.__dict__),  # a module's namespace: a plain dict
+        tuple(name for _, name, _, _ in routes),
+        tuple(original for _, _, original, _ in routes),
+        {name: routed for _, name, _, routed in routes},
+        {name: original for _, name, original, _ in routes},
+    )
 
 
 _plans: dict[tuple[int, int], list[_ModulePlan]] = {}
@@ -141,7 +134,7 @@ def install() -> list[_ModulePlan]:
     plan = _plans.get(key)
     # rebuilt when a module's functions were rebound since (monkeypatching, a reload)
     if plan is None or any(part.current() != part.originals for part in plan):
-        plan = _plans[key] = _by_module(_plan())
+        plan = _plans[key] = _plan()
     for part in plan:
         part.namespace.update(part.routed)  # one call per module: this runs at every world's start
     return plan

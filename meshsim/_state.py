@@ -137,9 +137,8 @@ class ProcessState:
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
-        # a dual level a rank entered and never exited (the level is process-wide)
-        if _torch_private.forward_ad_level() > self.forward_ad_level:
-            _torch_private.exit_forward_ad_levels(self.forward_ad_level)
+        # dual levels a rank entered and never exited (the level is process-wide)
+        _torch_private.exit_forward_ad_levels(self.forward_ad_level)
 
 
 @functools.lru_cache(maxsize=1024)

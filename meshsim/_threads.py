@@ -170,7 +170,7 @@ class _Pool:
         self._idle: list[Worker] = []
 
     def take(self, count: int) -> tuple[list[Worker], list[Worker]]:
-        """``count`` workers: idle ones first; the new ones (second list) are not started."""
+        """``count`` workers, idle ones first; the new ones (the second list, the tail of the first)."""
         with self._lock:
             reused = self._idle[-count:] if count else []
             del self._idle[len(self._idle) - len(reused) :]
@@ -184,13 +184,12 @@ class _Pool:
             room = MAX_IDLE - len(self._idle) if keep else 0
             kept = [w for w in workers if w.usable][: max(room, 0)]
             self._idle.extend(kept)
-        kept_ids = {id(w) for w in kept}
-        return [w for w in workers if id(w) not in kept_ids]
+        return [w for w in workers if w not in kept]
 
     def discard(self, worker: Worker) -> bool:
         """Take an idle worker out of the pool; False if a world has just taken it."""
         with self._lock:
-            if worker in self._idle and worker._job is None:
+            if worker in self._idle:
                 self._idle.remove(worker)
                 return True
             return False

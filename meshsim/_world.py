@@ -226,13 +226,13 @@ class _World:
 
     def _rank_cpu(self) -> int | None:
         """The one CPU serialized ranks run on: where reused threads already are, if they agree."""
-        new = {id(w) for w in self.new_workers}
-        pinned = {w.cpus for w in self.workers if id(w) not in new}
+        reused = self.workers[: len(self.workers) - len(self.new_workers)]  # take() puts them first
+        pinned = {w.cpus for w in reused}
         if len(pinned) == 1:
             cpus = pinned.pop()
             if cpus is not None and len(cpus) == 1:
                 (cpu,) = cpus
-                if hasattr(os, "sched_getaffinity") and cpu in os.sched_getaffinity(0):
+                if _may_run_on(cpu):
                     return cpu  # moving threads to another CPU costs ~25 us each
         return _current_cpu()
 
@@ -455,9 +455,12 @@ def _current_cpu() -> int | None:
     if getcpu is None:
         return None
     cpu = int(getcpu())
-    if cpu < 0 or not hasattr(os, "sched_setaffinity") or cpu not in os.sched_getaffinity(0):
-        return None
-    return cpu
+    return cpu if _may_run_on(cpu) else None
+
+
+def _may_run_on(cpu: int) -> bool:
+    """Whether the calling thread may be pinned to ``cpu``."""
+    return cpu >= 0 and hasattr(os, "sched_setaffinity") and cpu in os.sched_getaffinity(0)
 
 
 def _interrupt(idents: Sequence[int], done: set[int]) -> None:
