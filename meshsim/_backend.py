@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsim import _ledger, _ops
+from meshsim import _ledger, _ops, _torch_private
 from meshsim import _movement as mv
 from meshsim._ledger import Collective
 from meshsim._rendezvous import Call, Message, PostedRecv, Rendezvous
@@ -166,7 +166,6 @@ class _SharedDone:
 
 
 _DONE = _SharedDone()
-_OP_NAMES: dict[Any, str] = {}
 
 
 def _reduce_op(opts: Any) -> tuple[str, Any]:
@@ -174,17 +173,11 @@ def _reduce_op(opts: Any) -> tuple[str, Any]:
     if opts is None:
         return "SUM", None
     op = opts.reduceOp
-    # A ReduceOp hashes and compares by its kind, so the cache finds this call's
-    # fresh copy; reading the kind (op.op) costs three times the lookup.
-    name = _OP_NAMES.get(op)
+    name = _torch_private.reduce_op_names_by_hash().get(hash(op))  # runs once per rank per call
     if name is not None:
         return name, None
-    kind = getattr(op, "op", op)
-    name = kind.name
-    if name == "PREMUL_SUM":
-        return name, op.factor  # not cached: the key would keep its factor alive
-    _OP_NAMES[op] = name
-    return name, None
+    name = getattr(op, "op", op).name
+    return name, (_torch_private.premul_factor(op) if name == "PREMUL_SUM" else None)
 
 
 _DTYPE_PROBLEMS: dict[tuple[str, torch.dtype], str | None] = {}
