@@ -28,10 +28,12 @@ from collections.abc import Callable, Sequence
 from meshsim._doorbell import Doorbell
 from meshsim._errors import DeadlockError, WorldAborted
 
-__all__ = ["Scheduler", "Waitable"]
+__all__ = ["SAFETY_POLL", "Scheduler", "Waitable"]
 
 _RUNNING, _READY, _BLOCKED, _DONE = "running", "ready", "blocked", "done"
-_SAFETY_POLL = 1.0  # seconds; waits are woken explicitly, this only bounds each wait
+# Seconds between the supervisor's nudges (see nudge): waits are woken explicitly,
+# this only bounds each wait.
+SAFETY_POLL = 1.0
 
 
 class Waitable:
@@ -206,6 +208,20 @@ class Scheduler:
         finally:
             self._unlock()
 
+    def nudge(self) -> None:
+        """Ring every parked rank's doorbell once, so that no park outlasts the caller's period.
+
+        Parks have no timeout of their own (:meth:`Doorbell.park`): the thread that
+        started the world calls this every :data:`SAFETY_POLL` seconds. A nudged rank
+        looks at its state and parks again. Every rank still in the world is rung, not
+        only those marked parked: a wake-up that was sent but lost clears the mark.
+        """
+        self.lock.acquire()
+        try:
+            self._wake_everyone()
+        finally:
+            self._unlock()
+
     def running_idents(self) -> list[int]:
         """Thread idents of ranks that are running their own code (not blocked, not done)."""
         with self.lock:
@@ -262,7 +278,7 @@ class Scheduler:
             self.lock.release()
             try:
                 _ring(self._bells, signals)
-                bell.wait(_SAFETY_POLL)
+                bell.park()  # bounded by nudge()
             finally:
                 self.lock.acquire()
 
@@ -271,6 +287,10 @@ class Scheduler:
         if self._parked[rank]:
             self._parked[rank] = False
             self._signals.append(rank)
+
+    def _wake_everyone(self) -> None:
+        """Ring every rank still in the world once the lock is released, parked or not."""
+        self._signals.extend(rank for rank, state in enumerate(self._state) if state != _DONE)
 
     def _take_signals(self) -> Sequence[int]:
         """The pending wake-ups, taken (a shared empty tuple when there are none)."""
@@ -314,8 +334,7 @@ class Scheduler:
         if self.error is not None:
             return False
         self.error = error
-        for rank in range(self.world_size):
-            self._signal(rank)
+        self._wake_everyone()
         self.finished.set()
         return True
 

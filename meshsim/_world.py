@@ -43,7 +43,7 @@ from meshsim._errors import (
 )
 from meshsim._recorder import DispatchRecorder
 from meshsim._rendezvous import Rendezvous
-from meshsim._scheduler import Scheduler
+from meshsim._scheduler import SAFETY_POLL, Scheduler
 from meshsim._state import ProcessState, RankState
 from meshsim._store import SimStore
 
@@ -239,14 +239,17 @@ class _World:
     def _supervise(self) -> None:
         poll = min(0.05, self.timeout / 10)
         scheduler = self.scheduler
+        nudged = time.monotonic()
         while not scheduler.finished.wait(poll):
             scheduler.check_timeout(self.timeout)
+            nudged = _nudge_every_second(scheduler, nudged)
 
     def _stop(self) -> None:
         """Wait for every rank's job; after an abort, interrupt ranks still running user code."""
-        start = time.monotonic()
+        start = nudged = time.monotonic()
         interrupted: set[int] = set()
         while not self.jobs.wait(0.01):
+            nudged = _nudge_every_second(self.scheduler, nudged)
             if self.scheduler.error is None:
                 continue
             now = time.monotonic()
@@ -392,6 +395,15 @@ class _World:
 
     def _switch_in(self, rank: int) -> None:
         self.states[rank].load()
+
+
+def _nudge_every_second(scheduler: Scheduler, last: float) -> float:
+    """Nudge parked ranks once :data:`SAFETY_POLL` s have passed since ``last``; returns the new last."""
+    now = time.monotonic()
+    if now - last < SAFETY_POLL:
+        return last
+    scheduler.nudge()
+    return now
 
 
 def _drop_frame_locals(exc: BaseException) -> None:

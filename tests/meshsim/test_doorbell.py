@@ -6,14 +6,17 @@ import gc
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _doorbell, _threads
+from meshsim import _doorbell, _threads, _world
+from meshsim import _scheduler as _scheduler_module
 from meshsim._doorbell import Doorbell, EventBell, LockBell
+from meshsim._scheduler import Scheduler
 
 KINDS = [pytest.param(LockBell, id="lock")]
 if hasattr(os, "eventfd"):
@@ -57,6 +60,70 @@ def test_a_ring_wakes_a_waiting_thread(bell: Doorbell) -> None:
     bell.ring()
     assert woke.wait(2.0)
     thread.join(2.0)
+
+
+def test_a_park_returns_when_rung_and_rings_before_it_count_once(bell: Doorbell) -> None:
+    bell.ring()
+    bell.ring()
+    start = time.monotonic()
+    bell.park()  # rung before: returns at once
+    assert time.monotonic() - start < 1.0
+    bell.wait(0.05)  # both rings were used up by the park
+    assert time.monotonic() - start >= 0.04
+
+    parked = threading.Thread(target=bell.park)
+    parked.start()
+    time.sleep(0.05)
+    assert parked.is_alive()
+    bell.ring()
+    parked.join(2.0)
+    assert not parked.is_alive()
+
+
+def _scheduler(world_size: int) -> tuple[Scheduler, list[Doorbell]]:
+    bells: list[Doorbell] = [_threads._new_bell() for _ in range(world_size)]
+    sched = Scheduler(world_size, bells, serialize=True, switch_out=lambda r: None, switch_in=lambda r: None)
+    return sched, bells
+
+
+def test_a_nudge_wakes_a_parked_rank_whose_wake_up_was_lost() -> None:
+    sched, bells = _scheduler(1)
+    started = threading.Event()
+    thread = threading.Thread(target=lambda: (sched.start(0), started.set()))
+    thread.start()
+    try:
+        time.sleep(0.1)
+        assert not started.is_set()  # parked: not its turn yet
+        sched._holder = 0  # its turn, as a hand-over would make it, but with no ring
+        time.sleep(0.1)
+        assert not started.is_set()
+        sched.nudge()
+        assert started.wait(2.0)
+    finally:
+        sched.abort(RuntimeError("test over"))
+        thread.join(2.0)
+        for bell in bells:
+            bell.close()
+
+
+def test_the_world_nudges_parked_ranks_so_a_lost_wake_up_costs_a_nudge_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = _scheduler_module._ring
+    dropped: list[int] = []
+
+    def lossy(bells: list[Doorbell], ranks: Sequence[int]) -> None:
+        if 1 in ranks and not dropped and threading.current_thread().name == "meshsim-rank-0":
+            dropped.append(1)  # the first wake-up rank 0 sends rank 1 is lost
+            ranks = [r for r in ranks if r != 1]
+        real(bells, ranks)
+
+    monkeypatch.setattr(_scheduler_module, "_ring", lossy)
+    monkeypatch.setattr(_world, "SAFETY_POLL", 0.2)  # the nudges' period
+    start = time.monotonic()
+    assert meshsim.run(_ring_all_reduce, 2, timeout=30.0) == [[2.0**19] * 3] * 2
+    assert dropped == [1]
+    assert time.monotonic() - start < 10.0  # not the 30 s timeout
 
 
 def _take_and_retire(count: int) -> list[type]:
