@@ -12,6 +12,7 @@ import functools
 import os
 import random
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +22,12 @@ from meshsim import _torch_private
 
 __all__ = ["ProcessState", "RankState"]
 
-_PER_RANK_ENV = ("RANK", "LOCAL_RANK")
 # Without CUDA in the build there is no CUDA RNG to swap: spares a check at every hand-over.
 _CUDA_BUILT = bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
 
 
 def _cuda_rng() -> list[torch.Tensor] | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if _CUDA_BUILT and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return torch.cuda.get_rng_state_all()
     return None
 
@@ -41,17 +41,13 @@ class RankState:
     rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
     default_dtype: torch.dtype
-    env: dict[str, str] = field(default_factory=dict)
     rank_env: list[tuple[Any, Any]] = field(default_factory=list)  # RANK, LOCAL_RANK, encoded
 
     @classmethod
-    def fresh(cls, world_size: int) -> list[RankState]:
-        """Every rank's starting state: the caller's RNG and dtype, as after a fork."""
-        rng, cuda_rng, dtype = torch.get_rng_state(), _cuda_rng(), torch.get_default_dtype()
-        return [
-            cls(rank, world_size, rng, cuda_rng, dtype, *_rank_env(rank, world_size))
-            for rank in range(world_size)
-        ]
+    def fresh(cls, world_size: int, caller: ProcessState) -> list[RankState]:
+        """Every rank's starting state: the caller's RNG and dtype (as captured), as after a fork."""
+        rng, cuda_rng, dtype = caller.rng, caller.cuda_rng, caller.default_dtype
+        return [cls(rank, world_size, rng, cuda_rng, dtype, _rank_env(rank)) for rank in range(world_size)]
 
     def save(self) -> None:
         """Remember the process's current values as this rank's (runs at every hand-over)."""
@@ -67,22 +63,11 @@ class RankState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
-        # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
-        data = _ENVIRON_DATA
-        if data is not None:
-            for key, value in self.rank_env:  # encoded for os.environ's backing dict
-                if data.get(key) != value:
-                    os.putenv(key, value)
-                    data[key] = value
-        else:
-            for key, value in self.rank_env:
-                os.environ[key] = value
+        _set_encoded(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
 
     def load_world_env(self) -> None:
         """Set the environment every rank shares (once, before any rank runs)."""
-        for key, value in self.env.items():
-            if key not in _PER_RANK_ENV:
-                os.environ[key] = value
+        _set_encoded(_world_env(self.world_size))
 
 
 @dataclass
@@ -102,8 +87,6 @@ class ProcessState:
 
     @classmethod
     def capture(cls) -> ProcessState:
-        import threading
-
         return cls(
             sys.excepthook,
             threading.excepthook,
@@ -118,8 +101,6 @@ class ProcessState:
         )
 
     def restore(self) -> None:
-        import threading
-
         # init_process_group wraps sys.excepthook on every call and never unwraps it;
         # hundreds of worlds would nest it past the recursion limit.
         sys.excepthook = self.excepthook
@@ -142,11 +123,15 @@ class ProcessState:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_env(rank: int, world_size: int) -> tuple[dict[str, str], list[tuple[Any, Any]]]:
-    """A rank's environment variables, and its per-rank ones encoded (read-only: shared)."""
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-    env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    return env, _encoded({k: env[k] for k in _PER_RANK_ENV})
+def _rank_env(rank: int) -> list[tuple[Any, Any]]:
+    """A rank's own variables, RANK and LOCAL_RANK, encoded (read-only: shared)."""
+    return _encoded({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+
+
+@functools.lru_cache(maxsize=64)
+def _world_env(world_size: int) -> list[tuple[Any, Any]]:
+    """The variables every rank of a world shares, encoded (read-only: shared)."""
+    return _encoded({"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
 
 
 def _deterministic() -> tuple[bool, bool]:
@@ -184,15 +169,40 @@ def _environ_snapshot() -> dict[Any, Any]:
     return dict(data) if isinstance(data, dict) else dict(os.environ)
 
 
+def _set_encoded(items: list[tuple[Any, Any]]) -> None:
+    """Set environment variables given as :func:`_encoded` pairs (runs at every hand-over)."""
+    data = _ENVIRON_DATA
+    if data is None:
+        for key, value in items:
+            os.environ[key] = value
+        return
+    for key, value in items:
+        if data.get(key) != value:  # what os.environ[key] = value does, without the encoding
+            os.putenv(key, value)
+            data[key] = value
+
+
 def _restore_environ(saved: dict[Any, Any]) -> None:
+    data = _ENVIRON_DATA
+    if data is None:
+        _restore_decoded(saved)
+        return
+    if data == saved:
+        return
+    # what os.environ's __delitem__ and __setitem__ do, on keys and values already encoded
+    for key in data.keys() - saved.keys():
+        os.unsetenv(key)
+        del data[key]
+    _set_encoded(list(saved.items()))
+
+
+def _restore_decoded(saved: dict[Any, Any]) -> None:
     current = _environ_snapshot()
     if current == saved:
         return
     environ = os.environ
-    decode_key = getattr(environ, "decodekey", lambda k: k)
-    decode_value = getattr(environ, "decodevalue", lambda v: v)
     for key in current.keys() - saved.keys():
-        del environ[decode_key(key)]
+        del environ[key]
     for key, value in saved.items():
         if current.get(key) != value:
-            environ[decode_key(key)] = decode_value(value)
+            environ[key] = value

@@ -25,6 +25,7 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
     _create_work_from_future,
     _resolve_process_group,
 )
+from torch.autograd import forward_ad
 
 __all__ = [
     "as_process_group",
@@ -442,15 +443,11 @@ def _mesh_env() -> Any:
 
 def forward_ad_level() -> int:
     """The innermost forward-AD dual level (-1: none), which ``forward_ad`` keeps in a module global."""
-    from torch.autograd import forward_ad
-
     level: int = forward_ad._current_level
     return level
 
 
 def exit_forward_ad_levels(down_to: int) -> None:
     """Exit the dual levels entered since the process was at level ``down_to`` (innermost first)."""
-    from torch.autograd import forward_ad
-
     while forward_ad._current_level > down_to:
         forward_ad.exit_dual_level()  # type: ignore[no-untyped-call]

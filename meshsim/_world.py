@@ -200,7 +200,7 @@ class _World:
         self.num_threads_default = saved.num_threads
         with _patches.process_global_patches(BACKEND_NAME, create_process_group):
             try:
-                self._start()
+                self._start(saved)
                 self._supervise()
             except BaseException as exc:  # KeyboardInterrupt in the caller
                 self.scheduler.abort(exc)
@@ -210,12 +210,12 @@ class _World:
                 saved.restore()
         return self._outcome()
 
-    def _start(self) -> None:
+    def _start(self, caller: ProcessState) -> None:
         self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
 
         if self.scheduler.serialize:
-            self.states = RankState.fresh(self.world_size)
+            self.states = RankState.fresh(self.world_size, caller)
             self.states[0].load_world_env()
         for rank, worker in enumerate(self.workers):
             worker.assign(functools.partial(self._rank_main, rank), self.jobs, f"meshsim-rank-{rank}")

@@ -442,13 +442,28 @@ def test_new_group_and_meshes_with_sub_groups() -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 5])
 def test_world_sizes_and_rank_identity(world_size: int) -> None:
-    def body() -> tuple[int, int, str, str]:
-        import os
+    import ctypes
+    import os
 
-        return dist.get_rank(), dist.get_world_size(), os.environ["RANK"], os.environ["WORLD_SIZE"]
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+
+    def body() -> tuple[int, int, str, str, list[bytes | None]]:
+        seen = []
+        for _ in range(3):  # each hand-over swaps RANK and LOCAL_RANK, for C code too
+            seen += [libc.getenv(b"RANK"), libc.getenv(b"LOCAL_RANK"), libc.getenv(b"WORLD_SIZE")]
+            dist.barrier()
+        return dist.get_rank(), dist.get_world_size(), os.environ["RANK"], os.environ["WORLD_SIZE"], seen
 
     assert meshsim.run(body, world_size) == [
-        (r, world_size, str(r), str(world_size)) for r in range(world_size)
+        (
+            r,
+            world_size,
+            str(r),
+            str(world_size),
+            [str(r).encode(), str(r).encode(), str(world_size).encode()] * 3,
+        )
+        for r in range(world_size)
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -49,6 +50,8 @@ def meddles() -> None:
     torch.manual_seed(123)
     torch.set_default_dtype(torch.float64)
     os.environ["MESHSIM_TEST_LEAK"] = "1"
+    del os.environ["MESHSIM_TEST_KEPT"]
+    os.environ["MESHSIM_TEST_CHANGED"] = f"by rank {dist.get_rank()}"
     torch.use_deterministic_algorithms(True)
     LEFT_OPEN.append(torch.autograd.forward_ad.dual_level())
     LEFT_OPEN[-1].__enter__()  # never exited: the dual level is process-wide
@@ -78,6 +81,7 @@ def snapshot() -> dict[str, Any]:
         "autograd threads": torch._C._is_multithreading_enabled(),
         "num_threads": torch.get_num_threads(),
         "environ": dict(os.environ),
+        "C environ": _c_environ(),
         "dtype": torch.get_default_dtype(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "plugins": dict(dist.Backend._plugins),
@@ -88,6 +92,20 @@ def snapshot() -> dict[str, Any]:
         "eventfds": _eventfds(),
         "forward AD level": torch.autograd.forward_ad._current_level,
     }
+
+
+_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MESHSIM_TEST_LEAK")
+_ENV_KEYS += ("MESHSIM_TEST_KEPT", "MESHSIM_TEST_CHANGED")
+
+
+def _c_environ() -> dict[str, bytes | None] | None:
+    """What C code (and a subprocess) sees of the variables a world sets, None without libc."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    libc.getenv.restype = ctypes.c_char_p
+    return {key: libc.getenv(key.encode()) for key in _ENV_KEYS}
 
 
 def _eventfds() -> int | None:
@@ -118,7 +136,9 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_process_state_is_restored(name: str) -> None:
+def test_process_state_is_restored(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSIM_TEST_KEPT", "kept")
+    monkeypatch.setenv("MESHSIM_TEST_CHANGED", "unchanged")
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  (imported before the snapshot)
     from torch.distributed.tensor import _collective_utils  # noqa: F401
 
