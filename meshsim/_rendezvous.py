@@ -77,7 +77,7 @@ class GroupState:
         self.ranks = ranks
         self.size = len(ranks)
         self.slots: dict[int, Slot] = {}
-        self.mailbox = Mailbox(self)
+        self.mailbox = Mailbox(ranks)  # not the group: no reference cycle
 
     def label(self) -> str:
         return f"group {list(self.ranks)}"
@@ -242,7 +242,7 @@ class PostedRecv(Waitable):
         )
 
     def describe(self, rank: int) -> str:
-        ranks = self.mailbox.group.ranks
+        ranks = self.mailbox.ranks
         queued = [m for m in self.mailbox.queued if m.dst == self.dst]
         note = ""
         if queued:
@@ -251,7 +251,7 @@ class PostedRecv(Waitable):
         return f"waiting in {self.text} at {self.site}{note}"
 
     def missing(self) -> tuple[int, ...]:
-        ranks = self.mailbox.group.ranks
+        ranks = self.mailbox.ranks
         if self.src is not None:
             return (ranks[self.src],)
         return tuple(r for i, r in enumerate(ranks) if i != self.dst)
@@ -260,8 +260,8 @@ class PostedRecv(Waitable):
 class Mailbox:
     """The point-to-point messages of one group, matched in order per (src, dst, tag)."""
 
-    def __init__(self, group: GroupState) -> None:
-        self.group = group
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks  # the group's global ranks
         self.queued: list[Message] = []
         self.posted: list[PostedRecv] = []
 
@@ -287,10 +287,10 @@ class Mailbox:
         recv.source = message.src
         problem = recv.deliver(message, recv)
         if problem is not None:
-            ranks = self.group.ranks
+            ranks = self.ranks
             src, dst = ranks[message.src], ranks[recv.dst]
             text = (
-                f"send and recv do not fit together in {self.group.label()}: {problem}\n"
+                f"send and recv do not fit together in group {list(self.ranks)}: {problem}\n"
                 f"  rank {src}: {message.text}  at {message.site}\n"
                 f"  rank {dst}: {recv.text}  at {recv.site}\n"
                 "A recv must receive the dtype and number of elements that the matching send sent."

@@ -161,12 +161,16 @@ class _World:
         self.gpu_paths = gpu_paths
         self.num_threads = num_threads
         self.workers, self.new_workers = _threads.take(world_size)
+        # Filled at the start. The scheduler's hooks reach the ranks' states through
+        # this list, not through the world: no reference cycle, so a world is freed
+        # when run() returns instead of by the garbage collector (~40 objects a world).
+        self.states: list[RankState] = []
         self.scheduler = Scheduler(
             world_size,
             [worker.bell for worker in self.workers],
             serialize=serialize,
-            switch_out=self._switch_out,
-            switch_in=self._switch_in,
+            switch_out=functools.partial(_save_state, self.states),
+            switch_in=functools.partial(_load_state, self.states),
         )
         # wakes the caller when the last rank thread is through, not when the last
         # rank finishes its function and is still tidying up
@@ -174,7 +178,6 @@ class _World:
         self.rendezvous = Rendezvous(self.scheduler)
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
-        self.states: list[RankState] = []
         self.num_threads_default = 1  # the caller's, for reused threads when num_threads is None
         self.store: Store | None = None
         self.group_store: Store | None = None
@@ -215,7 +218,7 @@ class _World:
         self.group_store = _torch_private.default_group_store(self.store)
 
         if self.scheduler.serialize:
-            self.states = RankState.fresh(self.world_size, caller)
+            self.states[:] = RankState.fresh(self.world_size, caller)
             self.states[0].load_world_env()
         for rank, worker in enumerate(self.workers):
             worker.assign(functools.partial(self._rank_main, rank), self.jobs, f"meshsim-rank-{rank}")
@@ -390,11 +393,13 @@ class _World:
         if self.backend == "gloo":
             _drop_frame_locals(exc)
 
-    def _switch_out(self, rank: int) -> None:
-        self.states[rank].save()
 
-    def _switch_in(self, rank: int) -> None:
-        self.states[rank].load()
+def _save_state(states: list[RankState], rank: int) -> None:
+    states[rank].save()
+
+
+def _load_state(states: list[RankState], rank: int) -> None:
+    states[rank].load()
 
 
 def _nudge_every_second(scheduler: Scheduler, last: float) -> float:
