@@ -189,13 +189,14 @@ class _World:
     # -- the caller's side ----------------------------------------------------------
 
     def run(self) -> list[Any]:
-        self.cpu = self._rank_cpu() if self.scheduler.serialize else None
-        self.cpus = frozenset({self.cpu}) if self.cpu is not None else _affinity()
+        allowed = _affinity()  # read once: each affinity system call costs a few microseconds
+        self.cpu = self._rank_cpu(allowed) if self.scheduler.serialize else None
+        self.cpus = frozenset({self.cpu}) if self.cpu is not None else allowed
         # The caller runs on the ranks' CPU too while the world lives: its hand-overs
         # with them (the start, the end) then need no cross-CPU wake-up, which made a
         # world's set-up and teardown ~1.5x slower on a 2-CPU VM. New rank threads
         # inherit the pinning.
-        with _pinned_to(self.cpu):
+        with _pinned_to(self.cpu, allowed):
             return self._run()
 
     def _run(self) -> list[Any]:
@@ -227,7 +228,7 @@ class _World:
             worker.thread.start()
         self.scheduler.begin()
 
-    def _rank_cpu(self) -> int | None:
+    def _rank_cpu(self, allowed: frozenset[int] | None) -> int | None:
         """The one CPU serialized ranks run on: where reused threads already are, if they agree."""
         reused = self.workers[: len(self.workers) - len(self.new_workers)]  # take() puts them first
         pinned = {w.cpus for w in reused}
@@ -235,9 +236,9 @@ class _World:
             cpus = pinned.pop()
             if cpus is not None and len(cpus) == 1:
                 (cpu,) = cpus
-                if _may_run_on(cpu):
+                if _may_run_on(cpu, allowed):
                     return cpu  # moving threads to another CPU costs ~25 us each
-        return _current_cpu()
+        return _current_cpu(allowed)
 
     def _supervise(self) -> None:
         poll = min(0.05, self.timeout / 10)
@@ -434,25 +435,25 @@ def _drop_frame_locals(exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def _pinned_to(cpu: int | None) -> Iterator[None]:
-    """Run the calling thread on ``cpu`` for the block (threads it starts inherit that).
+def _pinned_to(cpu: int | None, allowed: frozenset[int] | None) -> Iterator[None]:
+    """Run the calling thread on ``cpu`` for the block, then on ``allowed`` again.
 
-    Two system calls on the way in and one out: a few microseconds.
+    Threads it starts inherit the pinning. ``allowed``: the thread's CPUs now.
+    One system call on the way in and one out: a few microseconds.
     """
-    if cpu is None:
+    if cpu is None or allowed is None:
         yield
         return
-    saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
     try:
         yield
     finally:
-        os.sched_setaffinity(0, saved)
+        os.sched_setaffinity(0, allowed)
 
 
 def _affinity() -> frozenset[int] | None:
-    """The CPUs the calling thread may run on, where the platform can tell."""
-    if not hasattr(os, "sched_getaffinity"):
+    """The CPUs the calling thread may run on, where the platform can tell and set them."""
+    if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
         return None
     return frozenset(os.sched_getaffinity(0))
 
@@ -466,18 +467,18 @@ def _sched_getcpu() -> Callable[[], int] | None:
         return None
 
 
-def _current_cpu() -> int | None:
+def _current_cpu(allowed: frozenset[int] | None) -> int | None:
     """The CPU the calling thread runs on, where the platform can tell."""
     getcpu = _sched_getcpu()
     if getcpu is None:
         return None
     cpu = int(getcpu())
-    return cpu if _may_run_on(cpu) else None
+    return cpu if _may_run_on(cpu, allowed) else None
 
 
-def _may_run_on(cpu: int) -> bool:
-    """Whether the calling thread may be pinned to ``cpu``."""
-    return cpu >= 0 and hasattr(os, "sched_setaffinity") and cpu in os.sched_getaffinity(0)
+def _may_run_on(cpu: int, allowed: frozenset[int] | None) -> bool:
+    """Whether the calling thread, which may run on ``allowed``, may be pinned to ``cpu``."""
+    return cpu >= 0 and allowed is not None and cpu in allowed
 
 
 def _interrupt(idents: Sequence[int], done: set[int]) -> None:
