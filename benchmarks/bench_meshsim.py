@@ -2,10 +2,11 @@
 
 Run: ``python benchmarks/bench_meshsim.py`` (``--quick`` for fewer repetitions).
 
-Every backend is measured in the same run, interleaved round by round, and the
-table reports medians over rounds, so the ratios are meaningful on a shared,
-noisy machine even when the absolute numbers are not. Not a test: nothing here
-asserts a speed.
+Every backend is measured in the same run, interleaved round by round. The table
+reports medians over rounds; the threaded/sim ratio is the median of each round's
+ratio, the two measured back to back in alternating order, with the range over
+rounds beside it. On a shared, noisy machine the ratios are meaningful even when
+the absolute numbers drift. Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -134,41 +135,58 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations and rounds")
     args = parser.parse_args()
-    iters, rounds = (100, 3) if args.quick else (400, 5)
+    iters, rounds = (100, 3) if args.quick else (200, 9)
     runners = _runners()
     sizes = (2, 4, 8)
     table: dict[tuple[str, str, int], list[float]] = {}
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        # sim and threaded back to back, in alternating order, so that each round's
+        # ratio compares the two under the same machine conditions; gloo after them
+        order = ["meshsim sim", "torch threaded"] if round_ % 2 == 0 else ["torch threaded", "meshsim sim"]
+        order.append("meshsim gloo")
         for ws in sizes:
             for op in _ops(iters):
-                for name, runner in runners.items():
+                for name in order:
                     n = iters if name != "meshsim gloo" else max(10, iters // 10)
-                    per_call = max(runner(_ops(n)[op], ws))
+                    per_call = max(runners[name](_ops(n)[op], ws))
                     table.setdefault((op, name, ws), []).append(per_call)
-            for name, runner in runners.items():
+            for name in order:
                 reps = 50 if name != "meshsim gloo" else 3
-                table.setdefault(("setup+teardown", name, ws), []).append(_setup_cost(runner, ws, reps))
+                cost = _setup_cost(runners[name], ws, reps)
+                table.setdefault(("setup+teardown", name, ws), []).append(cost)
             table.setdefault(("fresh threads", "", ws), []).append(_setup_cost(_fresh_threads, ws, 50))
             table.setdefault(("bare threads", "", ws), []).append(_setup_cost(_bare_threads, ws, 50))
-    _print(table, runners, sizes)
+    _print(table, runners, sizes, rounds)
     _big_world()
 
 
 def _print(
-    table: dict[tuple[str, str, int], list[float]], runners: dict[str, object], sizes: tuple[int, ...]
+    table: dict[tuple[str, str, int], list[float]],
+    runners: dict[str, object],
+    sizes: tuple[int, ...],
+    rounds: int,
 ) -> None:
     names = list(runners)
-    header = f"{'operation':24} {'ws':>3} " + " ".join(f"{n:>16}" for n in names) + f" {'threaded/sim':>13}"
-    print("median microseconds per call (per world for setup+teardown), 1 KiB float32")
+    header = (
+        f"{'operation':24} {'ws':>3} "
+        + " ".join(f"{n:>16}" for n in names)
+        + f" {'threaded/sim':>13} {'(rounds: min-max)':>18}"
+    )
+    print(
+        f"median microseconds per call (per world for setup+teardown), 1 KiB float32, {rounds} rounds;\n"
+        "threaded/sim is the median of each round's ratio (the two measured back to back)"
+    )
     print(header)
     print("-" * len(header))
     ops = ["all_gather_into_tensor", "all_reduce", "all_to_all_single", "setup+teardown"]
     for op in ops:
         for ws in sizes:
             med = {n: statistics.median(table[(op, n, ws)]) * 1e6 for n in names}
-            ratio = med["torch threaded"] / med["meshsim sim"]
+            pairs = zip(table[(op, "torch threaded", ws)], table[(op, "meshsim sim", ws)])
+            ratios = [threaded / sim for threaded, sim in pairs]
             cells = " ".join(f"{med[n]:16.1f}" for n in names)
-            print(f"{op:24} {ws:>3} {cells} {ratio:12.2f}x")
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            print(f"{op:24} {ws:>3} {cells} {statistics.median(ratios):12.2f}x {spread:>18}")
     for key, text in (
         ("fresh threads", "meshsim sim setup+teardown with MESHSIM_REUSE_THREADS=0 (new rank threads)"),
         ("bare threads", "starting and joining bare Python threads, one per rank (what reuse saves)"),
