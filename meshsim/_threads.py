@@ -13,6 +13,12 @@ it is as good as new:
 - at most :data:`MAX_IDLE` threads wait at a time, and each exits after
   :data:`IDLE_LIFETIME` seconds without work.
 
+An idle thread waits in one blocking read of its doorbell (see
+:mod:`meshsim._doorbell`: a timed wait costs a system call more, and the first
+wake-up of each rank of every world went through it, ~4% of a 4-rank world's
+set-up). While some wait, one more thread, ``meshsim-reaper``, wakes every
+second to end the threads idle for too long; it ends when none is left.
+
 Each job starts as a new thread would: in an empty ``contextvars`` context, with
 ``threading``'s trace and profile hooks. ``threading.local`` values that user code
 leaves in a rank thread do carry over to the next world, as module globals do.
@@ -39,7 +45,7 @@ __all__ = ["Countdown", "Worker", "end_idle_threads", "give_back", "idle_count",
 
 MAX_IDLE = 64  # idle threads kept at most; the rest of a bigger world's exit
 IDLE_LIFETIME = 10.0  # seconds an idle thread waits for work before it exits
-_POLL = 1.0  # seconds; an idle thread is woken explicitly, this only bounds each wait
+_POLL = 1.0  # seconds between the reaper's rounds
 _IDLE_NAME = "meshsim-idle"
 
 
@@ -83,6 +89,7 @@ class Worker:
         self.busy = False  # between assign() and the end of the job
         self.usable = True  # as good as new after its last job
         self.cpus: frozenset[int] | None = None  # its affinity, where it was set
+        self.idle_since = 0.0  # when it last went back to the pool
         self._job: Callable[[], None] | None = None
         self._countdown: Countdown | None = None
         self._retire = False  # exit; whoever set it joins the thread and closes the bell
@@ -115,6 +122,11 @@ class Worker:
         self.bell.close()
         return True
 
+    def expire(self) -> None:
+        """Make an idle worker, already out of the pool, exit and close its doorbell."""
+        self._abandon = True
+        self.bell.ring()
+
     def abandon(self) -> None:
         """Leave a worker stuck in its job: it exits, closing its doorbell, if the job ever ends."""
         self._abandon = True
@@ -123,19 +135,16 @@ class Worker:
 
     def _loop(self) -> None:
         new = _torch_private.thread_fingerprint()
-        idle_since = time.monotonic()
         while True:
             if self._retire or self._abandon:
                 break
             job = self._job
             if job is None:
-                if time.monotonic() - idle_since > IDLE_LIFETIME and _POOL.discard(self):
-                    self._abandon = True  # out of the pool: nobody will ring it again
-                    break
-                self.bell.wait(_POLL)
+                # rung by its world's scheduler, retire(), or the reaper (expire): in the
+                # pool, the reaper runs; out of it, whoever took it out rings it
+                self.bell.park()
                 continue
             self._run(job, new)
-            idle_since = time.monotonic()
         if self._abandon:
             self.bell.close()
 
@@ -168,6 +177,9 @@ class _Pool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[Worker] = []
+        # runs while some worker is idle (started by give_back, ends when none is)
+        self._reaper: threading.Thread | None = None
+        self._reaper_stop = threading.Event()
 
     def take(self, count: int) -> tuple[list[Worker], list[Worker]]:
         """``count`` workers, idle ones first; the new ones (the second list, the tail of the first)."""
@@ -180,19 +192,48 @@ class _Pool:
     def give_back(self, workers: Sequence[Worker]) -> list[Worker]:
         """Keep what may idle; return the workers that must be retired."""
         keep = _reuse_enabled()
+        start = None
         with self._lock:
             room = MAX_IDLE - len(self._idle) if keep else 0
             kept = [w for w in workers if w.usable][: max(room, 0)]
+            now = time.monotonic()
+            for worker in kept:
+                worker.idle_since = now
             self._idle.extend(kept)
+            if self._idle and self._reaper is None:
+                self._reaper_stop = threading.Event()
+                start = self._reaper = threading.Thread(
+                    target=self._reap, args=(self._reaper_stop,), name="meshsim-reaper", daemon=True
+                )
+        if start is not None:
+            start.start()
         return [w for w in workers if w not in kept]
 
-    def discard(self, worker: Worker) -> bool:
-        """Take an idle worker out of the pool; False if a world has just taken it."""
+    def _reap(self, stop: threading.Event) -> None:
+        """End the workers idle for longer than IDLE_LIFETIME, every _POLL s, until none is idle."""
+        me = threading.current_thread()
+        while not stop.wait(_POLL):
+            with self._lock:
+                if self._reaper is not me:
+                    return
+                now = time.monotonic()
+                expired = [w for w in self._idle if now - w.idle_since > IDLE_LIFETIME]
+                self._idle = [w for w in self._idle if w not in expired]
+                if not self._idle:
+                    self._reaper = None
+            for worker in expired:
+                worker.expire()
+            if self._reaper is not me:
+                return
+
+    def stop_reaper(self, timeout: float) -> None:
+        """End the reaper thread now (the idle workers were taken), and wait for it."""
         with self._lock:
-            if worker in self._idle:
-                self._idle.remove(worker)
-                return True
-            return False
+            reaper, self._reaper = self._reaper, None
+            stop = self._reaper_stop
+        if reaper is not None:
+            stop.set()
+            reaper.join(timeout)
 
     def take_all(self) -> list[Worker]:
         with self._lock:
@@ -205,6 +246,7 @@ class _Pool:
     def forget(self) -> None:
         """In a forked child: the idle threads did not survive the fork; close their doorbells."""
         self._lock = threading.Lock()
+        self._reaper = None  # it did not survive the fork either
         idle, self._idle = self._idle, []
         for worker in idle:
             worker.bell.close()
@@ -229,9 +271,10 @@ def end_idle_threads(timeout: float = 10.0) -> int:
     """End the idle rank threads meshsim keeps for later worlds, and wait for them.
 
     Rank threads of a world that ended cleanly wait, idle (named ``meshsim-idle``),
-    for the next world, and end by themselves after 10 s without one. Call this
-    where idle threads would be in the way: before counting threads or file
-    descriptors in a leak check, or before forking.
+    for the next world, and end by themselves after 10 s without one (a thread
+    named ``meshsim-reaper`` ends them; it runs while some wait, and this ends it
+    too). Call this where idle threads would be in the way: before counting
+    threads or file descriptors in a leak check, or before forking.
 
     Keyword args:
         timeout: seconds to wait for each thread to end.
@@ -244,7 +287,9 @@ def end_idle_threads(timeout: float = 10.0) -> int:
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return sum(worker.retire(timeout) for worker in _POOL.take_all())
+    ended = sum(worker.retire(timeout) for worker in _POOL.take_all())
+    _POOL.stop_reaper(timeout)
+    return ended
 
 
 def idle_count() -> int:

@@ -150,6 +150,28 @@ def test_idle_threads_end_by_themselves(monkeypatch: pytest.MonkeyPatch) -> None
     assert _threads.idle_count() == 0
 
 
+def _reapers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "meshsim-reaper"]
+
+
+def test_the_reaper_runs_only_while_threads_are_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_threads, "IDLE_LIFETIME", 0.05)
+    monkeypatch.setattr(_threads, "_POLL", 0.02)
+    assert _reapers() == []
+    meshsim.run(this_thread, 2)
+    reapers = _reapers()
+    assert len(reapers) == 1  # idle threads park with no timeout: it ends them
+    reapers[0].join(5.0)
+    assert not reapers[0].is_alive() and _threads.idle_count() == 0
+
+
+def test_end_idle_threads_ends_the_reaper_too() -> None:
+    meshsim.run(this_thread, 3)
+    assert len(_reapers()) == 1
+    assert meshsim.end_idle_threads() == 3
+    assert _reapers() == []
+
+
 def test_reuse_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSIM_REUSE_THREADS", "0")
     threads = meshsim.run(this_thread, 2)
