@@ -11,10 +11,10 @@ per collective from ~10 to ~4 at 4 ranks, and a collective 5-20% less time.
 A parked rank waits at its doorbell with :meth:`Doorbell.park`: on an eventfd, one
 blocking read, where a timed wait needs a ``poll`` and then the read. The extra
 system call let the ringer take the GIL back in between, and made a 4-rank
-all_reduce ~7% slower. A park has no timeout of its own; something else rings
-every parked thread at least once a second: a world's supervisor its parked ranks
-(:meth:`meshsim._scheduler.Scheduler.nudge`), the pool's reaper its idle threads
-(:mod:`meshsim._threads`).
+all_reduce ~7% slower. A park has no timeout of its own; something else bounds
+it: a world's supervisor rings its parked ranks every second
+(:meth:`meshsim._scheduler.Scheduler.nudge`), and the pool's reaper rings each
+idle thread when its idle lifetime is up (:mod:`meshsim._threads`).
 
 An eventfd is a file descriptor per rank thread: past a small share of the
 process's limit, and on platforms without ``os.eventfd``, rank threads get locks.
