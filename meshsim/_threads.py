@@ -212,19 +212,24 @@ class _Pool:
     def _reap(self, stop: threading.Event) -> None:
         """End the workers idle for longer than IDLE_LIFETIME, every _POLL s, until none is idle."""
         me = threading.current_thread()
-        while not stop.wait(_POLL):
-            with self._lock:
+        try:
+            while not stop.wait(_POLL):
+                with self._lock:
+                    if self._reaper is not me:
+                        return
+                    now = time.monotonic()
+                    expired = [w for w in self._idle if now - w.idle_since > IDLE_LIFETIME]
+                    self._idle = [w for w in self._idle if w not in expired]
+                    if not self._idle:
+                        self._reaper = None
+                for worker in expired:
+                    worker.expire()
                 if self._reaper is not me:
                     return
-                now = time.monotonic()
-                expired = [w for w in self._idle if now - w.idle_since > IDLE_LIFETIME]
-                self._idle = [w for w in self._idle if w not in expired]
-                if not self._idle:
+        finally:
+            with self._lock:  # however it ends, the next give_back starts a new one
+                if self._reaper is me:
                     self._reaper = None
-            for worker in expired:
-                worker.expire()
-            if self._reaper is not me:
-                return
 
     def stop_reaper(self, timeout: float) -> None:
         """End the reaper thread now (the idle workers were taken), and wait for it."""
