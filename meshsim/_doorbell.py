@@ -34,7 +34,7 @@ __all__ = ["Doorbell", "EventBell", "LockBell", "eventfd_budget"]
 
 # Use at most 1/16 of the soft descriptor limit (64 rank threads under the common 1024).
 _FD_SHARE = 16
-# A lock's timed acquire costs no more than an untimed one; parks are rung every second anyway.
+# A lock's timed acquire costs no more than an untimed one; what rings parks bounds them anyway.
 _PARK_LIMIT = 60.0
 
 
@@ -46,7 +46,7 @@ class Doorbell(Protocol):
         """Return when rung (or at once if rung since the last wait), or after ``timeout`` s."""
 
     def park(self) -> None:
-        """:meth:`wait` without a timeout of its own: only where something rings every few seconds."""
+        """:meth:`wait` without a timeout of its own: only where something else is sure to ring it."""
 
     def close(self) -> None:
         """Release what the doorbell holds; call once nobody waits or rings."""

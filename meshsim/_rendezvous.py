@@ -69,6 +69,10 @@ class Call:
         return self.where
 
 
+def _label(ranks: tuple[int, ...]) -> str:
+    return f"group {list(ranks)}"
+
+
 class GroupState:
     """A process group as the whole world sees it: its ranks, open slots and mailbox."""
 
@@ -80,7 +84,7 @@ class GroupState:
         self.mailbox = Mailbox(ranks)  # not the group: no reference cycle
 
     def label(self) -> str:
-        return f"group {list(self.ranks)}"
+        return _label(self.ranks)
 
 
 class Slot(Waitable):
@@ -290,7 +294,7 @@ class Mailbox:
             ranks = self.ranks
             src, dst = ranks[message.src], ranks[recv.dst]
             text = (
-                f"send and recv do not fit together in group {list(self.ranks)}: {problem}\n"
+                f"send and recv do not fit together in {_label(self.ranks)}: {problem}\n"
                 f"  rank {src}: {message.text}  at {message.site}\n"
                 f"  rank {dst}: {recv.text}  at {recv.site}\n"
                 "A recv must receive the dtype and number of elements that the matching send sent."

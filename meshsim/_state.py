@@ -164,9 +164,10 @@ def _encoded(values: dict[str, str]) -> list[tuple[Any, Any]]:
 
 def _environ_snapshot() -> dict[Any, Any]:
     # os.environ's encoded backing dict copies in ~1 us; decoding every variable
-    # (dict(os.environ)) costs ~30 us, a noticeable part of a world's set-up.
-    data = getattr(os.environ, "_data", None)
-    return dict(data) if isinstance(data, dict) else dict(os.environ)
+    # (dict(os.environ)) costs ~30 us, a noticeable part of a world's set-up. Encoded
+    # exactly where _restore_environ works on encoded keys, decoded where it does not.
+    data = _ENVIRON_DATA
+    return dict(data) if data is not None else dict(os.environ)
 
 
 def _set_encoded(items: list[tuple[Any, Any]]) -> None:

@@ -71,7 +71,7 @@ def test_a_park_returns_when_rung_and_rings_before_it_count_once(bell: Doorbell)
     bell.wait(0.05)  # both rings were used up by the park
     assert time.monotonic() - start >= 0.04
 
-    parked = threading.Thread(target=bell.park)
+    parked = threading.Thread(target=bell.park, daemon=True)  # never keeps the process up
     parked.start()
     time.sleep(0.05)
     assert parked.is_alive()
@@ -89,7 +89,7 @@ def _scheduler(world_size: int) -> tuple[Scheduler, list[Doorbell]]:
 def test_a_nudge_wakes_a_parked_rank_whose_wake_up_was_lost() -> None:
     sched, bells = _scheduler(1)
     started = threading.Event()
-    thread = threading.Thread(target=lambda: (sched.start(0), started.set()))
+    thread = threading.Thread(target=lambda: (sched.start(0), started.set()), daemon=True)
     thread.start()
     try:
         time.sleep(0.1)
