@@ -261,8 +261,7 @@ class SimProcessGroup(dist.ProcessGroup):
             _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
         call = Call(self._group_rank, op, signature, describe, where, payload, execute, compat)
         context = self._context
-        slot = context.rendezvous.arrive(self._group, seq, call)
-        context.scheduler.wait(context.rank, slot)
+        context.rendezvous.meet(self._group, seq, call, context.rank)
         if opts is not None and getattr(opts, "asyncOp", True) is False:
             # dist.*(async_op=False) waits on this Work and drops it: one shared,
             # completed Work spares a Future per rank per call

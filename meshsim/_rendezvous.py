@@ -334,10 +334,20 @@ class Rendezvous:
                 )
             return group
 
-    def arrive(self, group: GroupState, seq: int, call: Call) -> Slot:
-        """Join call ``seq`` on ``group``; the last rank to arrive completes it."""
-        with self.scheduler.lock:
-            self.scheduler.raise_if_aborted()
+    def meet(self, group: GroupState, seq: int, call: Call, rank: int) -> None:
+        """Join call ``seq`` on ``group`` as global ``rank``, and return once every rank has arrived.
+
+        The last rank to arrive completes the call. One hold of the scheduler's lock
+        covers the arrival and the wait, and the wake-ups go out as it is released.
+
+        Raises:
+            CollectiveMismatchError: the ranks' calls do not fit together.
+            WorldAborted: the world failed.
+        """
+        scheduler = self.scheduler
+        scheduler.lock.acquire()
+        try:
+            scheduler.raise_if_aborted()
             slot = group.slots.get(seq)
             if slot is None:
                 slot = group.slots[seq] = Slot(group, seq)
@@ -345,5 +355,8 @@ class Rendezvous:
             if slot.arrived == group.size:
                 del group.slots[seq]
                 slot.complete()
-                self.scheduler.wake(slot)
-            return slot
+                scheduler.wake(slot)
+        except BaseException:
+            scheduler.lock.release()
+            raise
+        scheduler.wait_locked(rank, slot)

@@ -72,9 +72,11 @@ class Scheduler:
 
     Keyword args:
         serialize: run one rank at a time (see the module docstring).
-        switch_out: called in a rank's thread, with the lock held, just before
-            it hands the baton to another rank (serialize mode).
-        switch_in: called in a rank's thread when it resumes after another rank ran.
+        switch_out: per rank, called in that rank's thread, with the lock held, just
+            before it hands the baton to another rank (serialize mode).
+        switch_in: per rank, called in that rank's thread when it resumes after
+            another rank ran. Both lists are read at each hand-over: their owner may
+            fill them after construction, before :meth:`begin`.
 
     Attributes:
         finished: set when the world fails; its owner sets it too once every rank
@@ -87,8 +89,8 @@ class Scheduler:
         bells: Sequence[Doorbell],
         *,
         serialize: bool,
-        switch_out: Callable[[int], None],
-        switch_in: Callable[[int], None],
+        switch_out: Sequence[Callable[[], None]],
+        switch_in: Sequence[Callable[[], None]],
     ) -> None:
         self.lock = threading.Lock()
         self.world_size = world_size
@@ -154,11 +156,24 @@ class Scheduler:
         """
         if not waitable.done:
             self.lock.acquire()
-            try:
-                if not waitable.done:
-                    self._block(rank, waitable)
-            finally:
-                self._unlock()
+            self.wait_locked(rank, waitable)
+        elif waitable.error is not None:
+            raise waitable.error
+
+    def wait_locked(self, rank: int, waitable: Waitable) -> None:
+        """:meth:`wait`, for a caller that holds ``lock``; releases it, and rings what is pending.
+
+        A rank that completed ``waitable`` itself (the last to arrive at a collective)
+        passes through without blocking, and the wake-ups it caused go out at once.
+        """
+        blocked = False
+        try:
+            if not waitable.done:
+                blocked = True
+                self._block(rank, waitable)
+        finally:
+            self._unlock()
+        if blocked:
             self._resumed(rank)
         if waitable.error is not None:
             raise waitable.error
@@ -308,11 +323,11 @@ class Scheduler:
     def _resumed(self, rank: int) -> None:
         if self.serialize and self._last_ran != rank:
             self._last_ran = rank
-            self._switch_in(rank)
+            self._switch_in[rank]()
 
     def _pass_baton(self, rank: int) -> None:
         if self._last_ran == rank and self._state[rank] != _DONE:
-            self._switch_out(rank)
+            self._switch_out[rank]()
         n = self.world_size
         for step in range(1, n + 1):
             nxt = (rank + step) % n

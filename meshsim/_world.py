@@ -161,16 +161,17 @@ class _World:
         self.gpu_paths = gpu_paths
         self.num_threads = num_threads
         self.workers, self.new_workers = _threads.take(world_size)
-        # Filled at the start. The scheduler's hooks reach the ranks' states through
-        # this list, not through the world: no reference cycle, so a world is freed
-        # when run() returns instead of by the garbage collector (~40 objects a world).
-        self.states: list[RankState] = []
+        # Filled at the start with the ranks' states' own methods, not the world's: no
+        # reference cycle, so a world is freed when run() returns instead of by the
+        # garbage collector (~40 objects a world).
+        self.saves: list[Callable[[], None]] = []
+        self.loads: list[Callable[[], None]] = []
         self.scheduler = Scheduler(
             world_size,
             [worker.bell for worker in self.workers],
             serialize=serialize,
-            switch_out=functools.partial(_save_state, self.states),
-            switch_in=functools.partial(_load_state, self.states),
+            switch_out=self.saves,
+            switch_in=self.loads,
         )
         # wakes the caller when the last rank thread is through, not when the last
         # rank finishes its function and is still tidying up
@@ -219,8 +220,10 @@ class _World:
         self.group_store = _torch_private.default_group_store(self.store)
 
         if self.scheduler.serialize:
-            self.states[:] = RankState.fresh(self.world_size, caller)
-            self.states[0].load_world_env()
+            states = RankState.fresh(self.world_size, caller)
+            self.saves[:] = [state.save for state in states]
+            self.loads[:] = [state.load for state in states]
+            states[0].load_world_env()
         for rank, worker in enumerate(self.workers):
             worker.assign(functools.partial(self._rank_main, rank), self.jobs, f"meshsim-rank-{rank}")
         for worker in self.new_workers:  # they inherit the caller's pinning (run)
@@ -393,14 +396,6 @@ class _World:
         """On gloo, drop the references a failed or stopped rank's frames hold to its groups."""
         if self.backend == "gloo":
             _drop_frame_locals(exc)
-
-
-def _save_state(states: list[RankState], rank: int) -> None:
-    states[rank].save()
-
-
-def _load_state(states: list[RankState], rank: int) -> None:
-    states[rank].load()
 
 
 def _nudge_every_second(scheduler: Scheduler, last: float) -> float:

@@ -16,6 +16,7 @@ import meshsim
 from meshsim import _doorbell, _threads, _world
 from meshsim import _scheduler as _scheduler_module
 from meshsim._doorbell import Doorbell, EventBell, LockBell
+from meshsim._rendezvous import Call, Rendezvous
 from meshsim._scheduler import Scheduler
 
 KINDS = [pytest.param(LockBell, id="lock")]
@@ -80,9 +81,14 @@ def test_a_park_returns_when_rung_and_rings_before_it_count_once(bell: Doorbell)
     assert not parked.is_alive()
 
 
+def _nothing() -> None:
+    pass
+
+
 def _scheduler(world_size: int) -> tuple[Scheduler, list[Doorbell]]:
     bells: list[Doorbell] = [_threads._new_bell() for _ in range(world_size)]
-    sched = Scheduler(world_size, bells, serialize=True, switch_out=lambda r: None, switch_in=lambda r: None)
+    nothing = [_nothing] * world_size
+    sched = Scheduler(world_size, bells, serialize=True, switch_out=nothing, switch_in=nothing)
     return sched, bells
 
 
@@ -124,6 +130,68 @@ def test_the_world_nudges_parked_ranks_so_a_lost_wake_up_costs_a_nudge_period(
     assert meshsim.run(_ring_all_reduce, 2, timeout=30.0) == [[2.0**19] * 3] * 2
     assert dropped == [1]
     assert time.monotonic() - start < 10.0  # not the 30 s timeout
+
+
+class _CountingBell:
+    """A lock doorbell that counts its rings."""
+
+    def __init__(self) -> None:
+        self.rings = 0
+        self._bell = LockBell()
+
+    def ring(self) -> None:
+        self.rings += 1
+        self._bell.ring()
+
+    def wait(self, timeout: float) -> None:
+        self._bell.wait(timeout)
+
+    def park(self) -> None:
+        self._bell.park()
+
+    def close(self) -> None:
+        self._bell.close()
+
+
+def _parked_in_a_wait(sched: Scheduler, rank: int) -> bool:
+    """Whether ``rank`` waits and sleeps at its doorbell, so that only a ring wakes it."""
+    with sched.lock:
+        return sched._state[rank] == "blocked" and sched._parked[rank]
+
+
+def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
+    # Without serialization the others run as soon as they are woken: a wake-up left
+    # pending until the next lock release kept them parked while the last rank ran on.
+    bells = [_CountingBell(), _CountingBell()]
+    nothing = [_nothing] * 2
+    sched = Scheduler(2, bells, serialize=False, switch_out=nothing, switch_in=nothing)
+    rendezvous = Rendezvous(sched)
+    group = rendezvous.group("g", (0, 1), 0)
+
+    def barrier(rank: int) -> Call:
+        return Call(rank, "barrier", (), lambda: "barrier()", "here", None, lambda calls: None)
+
+    def rank_0() -> None:
+        sched.start(0)
+        rendezvous.meet(group, 0, barrier(0), 0)
+
+    thread = threading.Thread(target=rank_0, daemon=True)
+    thread.start()
+    try:
+        sched.begin()
+        sched.start(1)  # rank 1 is this thread
+        deadline = time.monotonic() + 5.0
+        while not _parked_in_a_wait(sched, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        rings = bells[0].rings
+        rendezvous.meet(group, 0, barrier(1), 1)
+        assert bells[0].rings == rings + 1
+        thread.join(2.0)
+        assert not thread.is_alive()
+    finally:
+        sched.abort(RuntimeError("test over"))
+        thread.join(2.0)
 
 
 def _take_and_retire(count: int) -> list[type]:
