@@ -253,12 +253,9 @@ class SimProcessGroup(dist.ProcessGroup):
         where: str | FrameType = frame
         seq = self._seq
         self._seq += 1
-        ranks = self._group.ranks
         if self._ledgers:
-            site = where = _ledger.site_of(frame)
-            peer = ranks[root] if root is not None else None
             dtype, bytes_in, bytes_out = ledger()
-            _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
+            where = self._record(frame, op, api, dtype, bytes_in, bytes_out, reduce_op, seq, root)
         call = Call(self._group_rank, op, signature, describe, where, payload, execute, compat)
         context = self._context
         context.rendezvous.meet(self._group, seq, call, context.rank)
@@ -267,6 +264,25 @@ class SimProcessGroup(dist.ProcessGroup):
             # completed Work spares a Future per rank per call
             return _DONE.work()
         return completed_work(result)
+
+    def _record(
+        self,
+        frame: FrameType,
+        op: str,
+        api: str,
+        dtype: torch.dtype | None,
+        bytes_in: int,
+        bytes_out: int,
+        reduce_op: str | None,
+        seq: int,
+        root: int | None,
+    ) -> str:
+        """Add the call to the open ledgers; returns its site."""
+        ranks = self._group.ranks
+        site = _ledger.site_of(frame)
+        peer = ranks[root] if root is not None else None
+        _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
+        return site
 
     def _check_reduce(self, op: str, tensors: Sequence[Tensor], api: str) -> None:
         for t in tensors:
@@ -282,8 +298,35 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-        api = "all_reduce" if len(tensors) == 1 else "all_reduce_coalesced"
-        return self._all_reduce(tensors, opts, api)
+        if len(tensors) != 1:
+            return self._all_reduce(tensors, opts, "all_reduce_coalesced")
+        # One tensor: the hot path of DDP and of most programs. The Call is the one
+        # _all_reduce makes, built without _collective's keyword arguments, ledger
+        # closure and extra frames: 3-5% of a 4-rank all_reduce (paired in-world A/B).
+        t = tensors[0]
+        op, factor = _reduce_op(opts)
+        problem = _reduce_problem(op, t.dtype)
+        if problem is not None:
+            raise ValueError(f"all_reduce: {problem}")
+        seq = self._seq
+        self._seq = seq + 1
+        frame = sys._getframe(1)  # not this one, which will hold the call: a reference cycle
+        where: str | FrameType = frame
+        if self._ledgers:
+            nbytes = t.numel() * t.element_size()
+            where = self._record(frame, "all_reduce", "all_reduce", t.dtype, nbytes, nbytes, op, seq, None)
+        signature = (op, ((t.dtype, tuple(t.shape)),))  # _meta's, for one tensor
+
+        def describe() -> str:  # _all_reduce's text
+            return f"all_reduce({_desc(t)}, {op})"
+
+        payload = (tensors, op, factor)
+        call = Call(self._group_rank, "all_reduce", signature, describe, where, payload, _ops.all_reduce)
+        context = self._context
+        context.rendezvous.meet(self._group, seq, call, context.rank)
+        if opts is not None and getattr(opts, "asyncOp", True) is False:
+            return _DONE.work()  # see _collective
+        return completed_work(tensors)
 
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
