@@ -139,7 +139,9 @@ def main() -> None:
     runners = _runners()
     sizes = (2, 4, 8)
     table: dict[tuple[str, str, int], list[float]] = {}
+    probes: list[float] = []
     for round_ in range(rounds):
+        probes.append(_host_probe())
         # sim and threaded back to back, in alternating order, so that each round's
         # ratio compares the two under the same machine conditions; gloo after them
         order = ["meshsim sim", "torch threaded"] if round_ % 2 == 0 else ["torch threaded", "meshsim sim"]
@@ -157,7 +159,43 @@ def main() -> None:
             table.setdefault(("fresh threads", "", ws), []).append(_setup_cost(_fresh_threads, ws, 50))
             table.setdefault(("bare threads", "", ws), []).append(_setup_cost(_bare_threads, ws, 50))
     _print(table, runners, sizes, rounds)
+    _print_rounds(table, probes, sizes)
     _big_world()
+
+
+def _host_probe() -> float:
+    """Microseconds per ``torch.stack(4 x 1 KiB).sum(0)`` in this thread: how fast the host runs torch now.
+
+    On a shared VM this swings by ~2x from minute to minute while plain Python
+    does not; the sim backend, whose every call runs torch ops on one CPU, swings
+    with it, torch's threaded PG much less.
+    """
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    xs = [torch.ones(ELEMS) for _ in range(4)]
+    try:
+        for _ in range(200):
+            torch.stack(xs).sum(0)
+        start = time.perf_counter()
+        for _ in range(2000):
+            torch.stack(xs).sum(0)
+        return (time.perf_counter() - start) / 2000 * 1e6
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _print_rounds(
+    table: dict[tuple[str, str, int], list[float]], probes: list[float], sizes: tuple[int, ...]
+) -> None:
+    print("\nper round: host probe (us per torch.stack(4 x 1 KiB).sum(0), before the round), threaded/sim")
+    print(f"{'round':>5} {'probe us':>9} " + " ".join(f"{'all_reduce ' + str(ws):>14}" for ws in sizes))
+    for i, probe in enumerate(probes):
+        ratios = []
+        for ws in sizes:
+            threaded = table[("all_reduce", "torch threaded", ws)][i]
+            sim = table[("all_reduce", "meshsim sim", ws)][i]
+            ratios.append(f"{threaded / sim:13.2f}x")
+        print(f"{i + 1:>5} {probe:9.2f} " + " ".join(ratios))
 
 
 def _print(
