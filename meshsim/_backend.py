@@ -619,7 +619,7 @@ class SimProcessGroup(dist.ProcessGroup):
             copies = [t.detach().clone() for t in tensors]
         message = Message(self._group_rank, dstRank, tag, copies, text, site)
         scheduler = self._context.scheduler
-        with scheduler.lock:
+        with scheduler:
             scheduler.raise_if_aborted()
             self._group.mailbox.send(message, scheduler)
         return completed_work(tensors)
@@ -639,7 +639,7 @@ class SimProcessGroup(dist.ProcessGroup):
         mailbox = self._group.mailbox
         recv = PostedRecv(mailbox, self._group_rank, src, tag, tensors, text, site, _deliver)
         scheduler = self._context.scheduler
-        with scheduler.lock:
+        with scheduler:
             scheduler.raise_if_aborted()
             mailbox.post(recv, scheduler)
         return SimWork(self._context, recv)

@@ -321,7 +321,7 @@ class Rendezvous:
         Raises:
             ValueError: another rank created a group of this name with other ranks.
         """
-        with self.scheduler.lock:
+        with self.scheduler:
             group = self.groups.get(name)
             if group is None:
                 group = self.groups[name] = GroupState(name, ranks)

@@ -120,6 +120,18 @@ class Scheduler:
         self._done = 0
         self._progress_at = time.monotonic()
 
+    def __enter__(self) -> Scheduler:
+        """``with scheduler:`` holds :attr:`lock`; the wake-ups made meanwhile go out as it is released.
+
+        A plain ``with scheduler.lock:`` would leave them pending until the next
+        release by anyone: without serialization, a woken rank stayed parked that long.
+        """
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._unlock()
+
     # -- called by rank threads -------------------------------------------------
 
     def begin(self) -> None:

@@ -63,19 +63,19 @@ class SimStore(Store):  # type: ignore[misc]
     # -- writes ---------------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
-        with self._scheduler.lock:
+        with self._scheduler:
             self._data[key] = _bytes(value)
             self._wake()
 
     def add(self, key: str, amount: int) -> int:
-        with self._scheduler.lock:
+        with self._scheduler:
             value = int(self._data.get(key, b"0")) + int(amount)
             self._data[key] = str(value).encode()
             self._wake()
             return value
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        with self._scheduler.lock:
+        with self._scheduler:
             current = self._data.get(key)
             if (current is None and _bytes(expected) == b"") or current == _bytes(expected):
                 self._data[key] = _bytes(desired)
@@ -84,16 +84,16 @@ class SimStore(Store):  # type: ignore[misc]
             return current if current is not None else _bytes(expected)
 
     def delete_key(self, key: str) -> bool:
-        with self._scheduler.lock:
+        with self._scheduler:
             return self._data.pop(key, None) is not None
 
     def append(self, key: str, value: Any) -> None:
-        with self._scheduler.lock:
+        with self._scheduler:
             self._data[key] = self._data.get(key, b"") + _bytes(value)
             self._wake()
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        with self._scheduler.lock:
+        with self._scheduler:
             for key, value in zip(keys, values):
                 self._data[key] = _bytes(value)
             self._wake()
@@ -135,7 +135,7 @@ class SimStore(Store):  # type: ignore[misc]
                 "only rank threads may wait on a meshsim store"
             )
         wait = _KeysWait(self, keys, what, call_site(2))
-        with self._scheduler.lock:
+        with self._scheduler:
             if wait.ready():
                 return
             self._waits.append(wait)

@@ -18,6 +18,7 @@ from meshsim import _scheduler as _scheduler_module
 from meshsim._doorbell import Doorbell, EventBell, LockBell
 from meshsim._rendezvous import Call, Rendezvous
 from meshsim._scheduler import Scheduler
+from meshsim._store import SimStore
 
 KINDS = [pytest.param(LockBell, id="lock")]
 if hasattr(os, "eventfd"):
@@ -186,6 +187,35 @@ def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
             time.sleep(0.001)
         rings = bells[0].rings
         rendezvous.meet(group, 0, barrier(1), 1)
+        assert bells[0].rings == rings + 1
+        thread.join(2.0)
+        assert not thread.is_alive()
+    finally:
+        sched.abort(RuntimeError("test over"))
+        thread.join(2.0)
+
+
+def test_a_store_write_wakes_the_ranks_waiting_for_its_key_before_it_returns() -> None:
+    bells = [_CountingBell(), _CountingBell()]
+    nothing = [_nothing] * 2
+    sched = Scheduler(2, bells, serialize=False, switch_out=nothing, switch_in=nothing)
+    store = SimStore(sched, lambda: 0 if threading.current_thread() is not threading.main_thread() else 1)
+
+    def rank_0() -> None:
+        sched.start(0)
+        store.wait(["key"])
+
+    thread = threading.Thread(target=rank_0, daemon=True)
+    thread.start()
+    try:
+        sched.begin()
+        sched.start(1)
+        deadline = time.monotonic() + 5.0
+        while not _parked_in_a_wait(sched, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        rings = bells[0].rings
+        store.set("key", b"value")
         assert bells[0].rings == rings + 1
         thread.join(2.0)
         assert not thread.is_alive()
