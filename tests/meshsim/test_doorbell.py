@@ -6,7 +6,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -160,21 +160,24 @@ def _parked_in_a_wait(sched: Scheduler, rank: int) -> bool:
         return sched._state[rank] == "blocked" and sched._parked[rank]
 
 
-def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
-    # Without serialization the others run as soon as they are woken: a wake-up left
-    # pending until the next lock release kept them parked while the last rank ran on.
+_Actions = tuple[Callable[[], None], Callable[[], None]]
+
+
+def _rings_while(make: Callable[[Scheduler], _Actions]) -> int:
+    """How often rank 0's doorbell rang while this thread ran a wake-up, counted as it returned.
+
+    ``make(scheduler)`` gives ``(wait, wake)``. Rank 0 runs ``wait`` in a thread of its
+    own and sleeps in it; then this thread, as rank 1, runs ``wake``. The world is
+    not serialized, so nothing but that wake-up rings rank 0 meanwhile.
+    """
     bells = [_CountingBell(), _CountingBell()]
     nothing = [_nothing] * 2
     sched = Scheduler(2, bells, serialize=False, switch_out=nothing, switch_in=nothing)
-    rendezvous = Rendezvous(sched)
-    group = rendezvous.group("g", (0, 1), 0)
-
-    def barrier(rank: int) -> Call:
-        return Call(rank, "barrier", (), lambda: "barrier()", "here", None, lambda calls: None)
+    wait, wake = make(sched)
 
     def rank_0() -> None:
         sched.start(0)
-        rendezvous.meet(group, 0, barrier(0), 0)
+        wait()
 
     thread = threading.Thread(target=rank_0, daemon=True)
     thread.start()
@@ -186,42 +189,42 @@ def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.001)
         rings = bells[0].rings
-        rendezvous.meet(group, 0, barrier(1), 1)
-        assert bells[0].rings == rings + 1
+        wake()
+        rung = bells[0].rings - rings
         thread.join(2.0)
         assert not thread.is_alive()
+        return rung
     finally:
         sched.abort(RuntimeError("test over"))
         thread.join(2.0)
+
+
+# Without serialization a rank runs as soon as it is woken: a wake-up left pending
+# until the next release of the lock kept it parked while the waker ran on.
+
+
+def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
+    def make(sched: Scheduler) -> _Actions:
+        rendezvous = Rendezvous(sched)
+        group = rendezvous.group("g", (0, 1), 0)
+
+        def barrier(rank: int) -> Call:
+            return Call(rank, "barrier", (), lambda: "barrier()", "here", None, lambda calls: None)
+
+        return (
+            lambda: rendezvous.meet(group, 0, barrier(0), 0),
+            lambda: rendezvous.meet(group, 0, barrier(1), 1),
+        )
+
+    assert _rings_while(make) == 1
 
 
 def test_a_store_write_wakes_the_ranks_waiting_for_its_key_before_it_returns() -> None:
-    bells = [_CountingBell(), _CountingBell()]
-    nothing = [_nothing] * 2
-    sched = Scheduler(2, bells, serialize=False, switch_out=nothing, switch_in=nothing)
-    store = SimStore(sched, lambda: 0 if threading.current_thread() is not threading.main_thread() else 1)
+    def make(sched: Scheduler) -> _Actions:
+        store = SimStore(sched, lambda: 1 if threading.current_thread() is threading.main_thread() else 0)
+        return lambda: store.wait(["key"]), lambda: store.set("key", b"value")
 
-    def rank_0() -> None:
-        sched.start(0)
-        store.wait(["key"])
-
-    thread = threading.Thread(target=rank_0, daemon=True)
-    thread.start()
-    try:
-        sched.begin()
-        sched.start(1)
-        deadline = time.monotonic() + 5.0
-        while not _parked_in_a_wait(sched, 0):
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        rings = bells[0].rings
-        store.set("key", b"value")
-        assert bells[0].rings == rings + 1
-        thread.join(2.0)
-        assert not thread.is_alive()
-    finally:
-        sched.abort(RuntimeError("test over"))
-        thread.join(2.0)
+    assert _rings_while(make) == 1
 
 
 def _take_and_retire(count: int) -> list[type]:
