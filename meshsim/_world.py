@@ -157,6 +157,7 @@ class _World:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.world_size = world_size
         self.timeout = timeout
+        self.group_timeout = datetime.timedelta(seconds=timeout)  # of the groups ranks make
         self.backend = backend
         self.gpu_paths = gpu_paths
         self.num_threads = num_threads
@@ -203,7 +204,8 @@ class _World:
     def _run(self) -> list[Any]:
         saved = ProcessState.capture()
         self.num_threads_default = saved.num_threads
-        with _patches.process_global_patches(BACKEND_NAME, create_process_group):
+        _patches.install(BACKEND_NAME, create_process_group)
+        try:
             try:
                 self._start(saved)
                 self._supervise()
@@ -213,6 +215,8 @@ class _World:
             finally:
                 self._stop()
                 saved.restore()
+        finally:
+            _patches.uninstall()
         return self._outcome()
 
     def _start(self, caller: ProcessState) -> None:
@@ -285,7 +289,7 @@ class _World:
         if self.backend == "sim":
             return start + _STOP_GRACE
         # gloo ranks blocked in C++ cannot be interrupted, but the groups' timeout (the
-        # world's, see rank_thread) releases each collective that long after it began;
+        # world's, see enter_rank_thread) releases each collective that long after it began;
         # one may begin after the stop did (a rank finishing a slow first import).
         began = max([start, *(recorder.entered for recorder in self.recorders)])
         return min(began, start + self.timeout) + self.timeout + _STOP_GRACE
@@ -314,9 +318,11 @@ class _World:
 
     def _rank_main(self, rank: int) -> None:
         try:
-            timeout = datetime.timedelta(seconds=self.timeout)
-            with _patches.rank_thread(gpu_paths=self.gpu_paths, group_timeout=timeout):
+            _patches.enter_rank_thread(gpu_paths=self.gpu_paths, group_timeout=self.group_timeout)
+            try:
                 self._rank_body(rank)
+            finally:
+                _patches.leave_rank_thread()
         except WorldAborted:
             pass  # interrupted while leaving; the world already failed
 
