@@ -8,7 +8,6 @@ process-global state in :mod:`meshsim._state` is put back.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import datetime
 import functools
@@ -17,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -198,8 +197,12 @@ class _World:
         # with them (the start, the end) then need no cross-CPU wake-up, which made a
         # world's set-up and teardown ~1.5x slower on a 2-CPU VM. New rank threads
         # inherit the pinning.
-        with _pinned_to(self.cpu, allowed):
+        pinned = _pin(self.cpu, allowed)
+        try:
             return self._run()
+        finally:
+            if pinned:
+                _unpin(allowed)
 
     def _run(self) -> list[Any]:
         saved = ProcessState.capture()
@@ -338,34 +341,40 @@ class _World:
         # right after a hand-over ran ~3x slower without it). New threads start
         # pinned (see run); a reused one may come from a world pinned elsewhere.
         self.workers[rank].pin(self.cpus)
-        outcome = "finished: its function returned"
-        recorder: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.backend == "gloo":
-            recorder = DispatchRecorder()
-            self.recorders.append(recorder)
+        outcome = "stopped: the world failed"
         try:
             self.scheduler.start(rank)
-            with recorder:
-                # The failure is recorded before the process groups are torn down:
-                # on gloo, tearing down closes sockets, and the peers' resulting
-                # errors must not be mistaken for the first failure.
-                try:
-                    self._init_process_group(context)
-                    self.results[rank] = self.fn(*self.args, **self.kwargs)
-                except WorldAborted as exc:
-                    outcome = "stopped: the world failed"
-                    self._let_go(exc)
-                except BaseException as exc:
-                    outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
-                    self._rank_failed(rank, exc)
-                    self._let_go(exc)
-                finally:
-                    self._destroy_process_groups()
+            if self.backend == "gloo":
+                recorder = DispatchRecorder()
+                self.recorders.append(recorder)
+                with recorder:
+                    outcome = self._call_fn(rank, context)
+            else:
+                outcome = self._call_fn(rank, context)
         except WorldAborted:
-            outcome = "stopped: the world failed"
+            pass
         finally:
             bind_rank(None)
             self.scheduler.finish(rank, outcome)
+
+    def _call_fn(self, rank: int, context: RankContext) -> str:
+        """Run the rank's function between its process groups' set-up and teardown; returns how it ended."""
+        # The failure is recorded before the process groups are torn down: on gloo,
+        # tearing down closes sockets, and the peers' resulting errors must not be
+        # mistaken for the first failure.
+        try:
+            self._init_process_group(context)
+            self.results[rank] = self.fn(*self.args, **self.kwargs)
+            return "finished: its function returned"
+        except WorldAborted as exc:
+            self._let_go(exc)
+            return "stopped: the world failed"
+        except BaseException as exc:
+            self._rank_failed(rank, exc)
+            self._let_go(exc)
+            return f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+        finally:
+            self._destroy_process_groups()
 
     def _init_process_group(self, context: RankContext) -> None:
         if self.backend == "sim":
@@ -435,20 +444,21 @@ def _drop_frame_locals(exc: BaseException) -> None:
         pending += getattr(current, "exceptions", ())  # an ExceptionGroup's members
 
 
-@contextlib.contextmanager
-def _pinned_to(cpu: int | None, allowed: frozenset[int] | None) -> Iterator[None]:
-    """Run the calling thread on ``cpu`` for the block, then on ``allowed`` again.
+def _pin(cpu: int | None, allowed: frozenset[int] | None) -> bool:
+    """Run the calling thread on ``cpu`` until :func:`_unpin`; whether it was moved.
 
-    Threads it starts inherit the pinning. ``allowed``: the thread's CPUs now.
-    One system call on the way in and one out: a few microseconds.
+    Threads it starts inherit the pinning. ``allowed``: the thread's CPUs now. One
+    system call each way: a few microseconds.
     """
     if cpu is None or allowed is None:
-        yield
-        return
+        return False
     os.sched_setaffinity(0, {cpu})
-    try:
-        yield
-    finally:
+    return True
+
+
+def _unpin(allowed: frozenset[int] | None) -> None:
+    """Let the calling thread run on ``allowed`` again."""
+    if allowed is not None:
         os.sched_setaffinity(0, allowed)
 
 
