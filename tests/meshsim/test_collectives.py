@@ -150,6 +150,20 @@ def test_all_reduce_rejects_average_of_integers(dtype: torch.dtype, op: str) -> 
     assert f"ReduceOp.{op} needs a floating point or complex tensor, got {dtype}" in str(info.value.__cause__)
 
 
+def test_a_synchronous_call_gets_a_completed_work() -> None:
+    # What dist.all_reduce(async_op=False) gets back from the backend, and what C++ would.
+    def body() -> tuple[bool, bool, bool, list[torch.Tensor], list[float]]:
+        x = torch.full((3,), float(dist.get_rank()))
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        work = dist.group.WORLD.allreduce([x], opts)  # type: ignore[union-attr]
+        future = work.get_future()
+        return work.is_completed(), work.is_success(), work.wait(), future.wait(), x.tolist()
+
+    total = float(sum(range(WS)))
+    assert meshsim.run(body, WS) == [(True, True, True, [], [total] * 3)] * WS
+
+
 def test_all_reduce_async_wait_and_coalesced() -> None:
     def body() -> list[torch.Tensor]:
         rank = dist.get_rank()
