@@ -94,6 +94,10 @@ def all_reduce(calls: Sequence[Call]) -> None:
         return  # every op of one rank's tensor is that tensor (a mesh dimension of size 1)
     factors = [c.payload[2] for c in calls] if op == "PREMUL_SUM" else None
     count = len(calls[0].payload[0])
+    if count == 1:  # the common case: a reduction keeps the shape, so no reshape to check
+        tensors = [c.payload[0][0] for c in calls]
+        copy_to_all(tensors, mv.reduce(tensors, op, factors))
+        return
     # every result before any write: a rank's tensors may alias each other
     results = [mv.reduce([c.payload[0][i] for c in calls], op, factors) for i in range(count)]
     for i, result in enumerate(results):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from meshsim._errors import CollectiveMismatchError
+from meshsim._errors import CollectiveMismatchError, WorldAborted
 from meshsim._ledger import site_of
 from meshsim._movement import Problem, culprits
 from meshsim._scheduler import Scheduler, Waitable
@@ -347,7 +347,8 @@ class Rendezvous:
         scheduler = self.scheduler
         scheduler.lock.acquire()
         try:
-            scheduler.raise_if_aborted()
+            if scheduler.error is not None:  # raise_if_aborted, inlined: once per rank per collective
+                raise WorldAborted()
             slot = group.slots.get(seq)
             if slot is None:
                 slot = group.slots[seq] = Slot(group, seq)
