@@ -49,7 +49,7 @@ def check_reduce_dtype(op: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def reduce(tensors: Sequence[Tensor], op: str, factors: Sequence[float | Tensor] | None = None) -> Tensor:
+def reduce(tensors: list[Tensor], op: str, factors: Sequence[float | Tensor] | None = None) -> Tensor:
     """Reduce equally shaped tensors elementwise; the result has their dtype.
 
     Floating point sums and means accumulate in at least float32 and round
@@ -71,7 +71,7 @@ def reduce(tensors: Sequence[Tensor], op: str, factors: Sequence[float | Tensor]
             raise ValueError("PREMUL_SUM needs one factor per rank")
         scaled = [t * _on(f, t) for t, f in zip(tensors, factors)]
         return torch.stack(scaled).sum(0).to(dtype)
-    result = _REDUCERS[op](torch.stack(list(tensors)))
+    result = _REDUCERS[op](torch.stack(tensors))
     return result if result.dtype == dtype else result.to(dtype)
 
 

@@ -23,28 +23,28 @@ Tensor = torch.Tensor
 
 
 _Execute = Callable[[Sequence[Call]], None]
-_NeedsGrad = Callable[[Sequence[Call]], bool]
 
 
-def _no_grad(needs_grad: _NeedsGrad | None = None) -> Callable[[_Execute], _Execute]:
+def _no_grad(*indices: int) -> Callable[[_Execute], _Execute]:
     """Run the decorated ``execute`` with autograd off.
 
-    ``needs_grad`` tells whether any tensor the executor reads or writes requires
-    grad: when none does, autograd records nothing anyway and its mode is left
-    alone (switching it costs more than the check, and this runs once per collective).
+    ``indices``: the payload entries holding every tensor the executor reads or
+    writes. When none of them requires grad, autograd records nothing anyway and
+    its mode is left alone (switching it costs more than the check, and this runs
+    once per collective). Without indices the mode is always switched off.
     """
 
     def decorate(execute: _Execute) -> _Execute:
         @functools.wraps(execute)
         def wrapper(calls: Sequence[Call]) -> None:
-            if not torch.is_grad_enabled() or (needs_grad is not None and not needs_grad(calls)):
-                execute(calls)
+            if torch.is_grad_enabled() and (not indices or _requires_grad(calls, indices)):
+                torch.set_grad_enabled(False)
+                try:
+                    execute(calls)
+                finally:
+                    torch.set_grad_enabled(True)
                 return
-            torch.set_grad_enabled(False)
-            try:
-                execute(calls)
-            finally:
-                torch.set_grad_enabled(True)
+            execute(calls)
 
         return wrapper
 
@@ -69,25 +69,18 @@ def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:
         _write(out, value)
 
 
-def _requires_grad(calls: Sequence[Call], index: int) -> bool:
-    """Whether a tensor of any rank's ``payload[index]`` requires grad (plain loops: no generators)."""
-    for c in calls:
-        for t in c.payload[index]:
-            if t.requires_grad:
-                return True
+def _requires_grad(calls: Sequence[Call], indices: tuple[int, ...]) -> bool:
+    """Whether a tensor of any rank's ``payload[i]``, for ``i`` in ``indices``, requires grad."""
+    for c in calls:  # plain loops, no generators: this runs once per collective
+        for index in indices:
+            for t in c.payload[index]:
+                if t.requires_grad:
+                    return True
     return False
 
 
-def _first_payloads(calls: Sequence[Call]) -> bool:
-    return _requires_grad(calls, 0)
-
-
-def _two_payloads(calls: Sequence[Call]) -> bool:
-    return _requires_grad(calls, 0) or _requires_grad(calls, 1)
-
-
 # payload: (tensors, op, factor)
-@_no_grad(_first_payloads)
+@_no_grad(0)
 def all_reduce(calls: Sequence[Call]) -> None:
     op = calls[0].payload[1]
     if len(calls) == 1 and op != "PREMUL_SUM":
@@ -152,7 +145,7 @@ def all_gather_compat(calls: Sequence[Call]) -> list[mv.Problem]:
 
 
 # payload: (outputs, inputs): outputs[j] is the flat concatenation of every rank's inputs[j]
-@_no_grad(_two_payloads)
+@_no_grad(0, 1)
 def all_gather_into_tensor(calls: Sequence[Call]) -> None:
     for j in range(len(calls[0].payload[1])):
         flat = mv.all_gather_flat([c.payload[1][j] for c in calls])

@@ -49,18 +49,20 @@ def completed_work(result: object = None) -> dist.Work:
     return work
 
 
+_FOREACH_COPY: Callable[..., None] | None = getattr(torch, "_foreach_copy_", None)
+
+
 def copy_to_all(outs: Sequence[torch.Tensor], value: torch.Tensor) -> None:
     """``out.copy_(value)`` for every tensor of ``outs``: all of ``value``'s shape, dtype and device.
 
     ``torch._foreach_copy_`` does it in one dispatch, about half the cost of a loop
     of ``copy_`` from four tensors up (it runs once per rank per collective).
     """
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is None or len(outs) < 2:
+    if _FOREACH_COPY is None or len(outs) < 2:
         for out in outs:
             out.copy_(value)
         return
-    foreach(list(outs), [value] * len(outs))
+    _FOREACH_COPY(outs if isinstance(outs, list) else list(outs), [value] * len(outs))
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
