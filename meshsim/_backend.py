@@ -186,19 +186,7 @@ class _DoneWork(dist.Work):
         return fut
 
 
-class _SharedDone:
-    """One :class:`_DoneWork` per process, made on first use (torch may not be ready at import)."""
-
-    def __init__(self) -> None:
-        self._work: dist.Work | None = None
-
-    def work(self) -> dist.Work:
-        if self._work is None:
-            self._work = _DoneWork()
-        return self._work
-
-
-_DONE = _SharedDone()
+_DONE = _DoneWork()  # shared by every synchronous call of the process
 
 
 def _reduce_op(opts: Any) -> tuple[str, Any]:
@@ -295,7 +283,7 @@ class SimProcessGroup(dist.ProcessGroup):
         if opts is not None and getattr(opts, "asyncOp", True) is False:
             # dist.*(async_op=False) waits on this Work and drops it: one shared,
             # completed Work spares a Future per rank per call
-            return _DONE.work()
+            return _DONE
         return completed_work(result)
 
     def _record(
@@ -358,7 +346,7 @@ class SimProcessGroup(dist.ProcessGroup):
         context = self._context
         context.rendezvous.meet(self._group, seq, call, context.rank)
         if opts is not None and getattr(opts, "asyncOp", True) is False:
-            return _DONE.work()  # see _collective
+            return _DONE  # see _collective
         return completed_work(tensors)
 
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:

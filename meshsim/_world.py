@@ -321,11 +321,11 @@ class _World:
 
     def _rank_main(self, rank: int) -> None:
         try:
-            _patches.enter_rank_thread(gpu_paths=self.gpu_paths, group_timeout=self.group_timeout)
+            entered = _patches.enter_rank_thread(gpu_paths=self.gpu_paths, group_timeout=self.group_timeout)
             try:
                 self._rank_body(rank)
             finally:
-                _patches.leave_rank_thread()
+                _patches.leave_rank_thread(entered)
         except WorldAborted:
             pass  # interrupted while leaving; the world already failed
 
