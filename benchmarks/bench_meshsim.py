@@ -1,6 +1,7 @@
 """Collective latency and world setup cost: meshsim ``sim`` vs torch's threaded PG vs meshsim ``gloo``.
 
-Run: ``python benchmarks/bench_meshsim.py`` (``--quick`` for fewer repetitions).
+Run: ``python benchmarks/bench_meshsim.py`` (``--quick`` for fewer repetitions, ``--rounds N``
+for more rounds where the machine's speed swings).
 
 Every backend is measured in the same run, interleaved round by round. The table
 reports medians over rounds; the threaded/sim ratio is the median of each round's
@@ -134,8 +135,15 @@ def _setup_cost(runner: Callable[[Callable[[], float], int], list[float]], ws: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations and rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="rounds to take medians over (default 9, 3 with --quick)"
+    )
     args = parser.parse_args()
     iters, rounds = (100, 3) if args.quick else (200, 9)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds must be at least 1, got {args.rounds}")
+        rounds = args.rounds
     runners = _runners()
     sizes = (2, 4, 8)
     table: dict[tuple[str, str, int], list[float]] = {}
