@@ -1,7 +1,8 @@
 """ShardTensor costs on 4 simulated ranks: from_local "infer" vs "chunk", and a reshard round trip.
 
 Run: ``python benchmarks/bench_shardtensor.py`` (``--quick`` for small shapes and few
-iterations). Reproduces the shape of PhysicsNeMo's two tables (PRs #1791 and #1779):
+iterations, ``--rounds N`` for more rounds). Reproduces the shape of PhysicsNeMo's two
+tables (PRs #1791 and #1779):
 
 1. ``from_local`` per call, ``"infer"`` (a shape all_gather) vs ``"chunk"`` with
    ``global_shape`` (no communication): local shard (1, 4, 12288, 1536) bfloat16,
@@ -26,7 +27,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 from typing import Any
 
@@ -198,8 +199,15 @@ def _print(per_rank: list[dict[str, Timing]], config: Config, seconds: float) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and few iterations (a smoke test)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="rounds to take medians over (default 5, 2 with --quick)"
+    )
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds must be at least 1, got {args.rounds}")
+        config = replace(config, rounds=args.rounds)
     start = time.perf_counter()
     per_rank: list[dict[str, Any]] = meshsim.run(_rank_main, WORLD, args=(config,), timeout=600)
     _print(per_rank, config, time.perf_counter() - start)
