@@ -5,6 +5,7 @@ See the README for a guide; every name below is documented where it is defined.
 
 from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError
 from meshsim._ledger import Collective, Ledger, record
+from meshsim._perrank import per_rank
 from meshsim._threads import end_idle_threads
 from meshsim._world import run
 
@@ -16,6 +17,7 @@ __all__ = [
     "MeshError",
     "RankError",
     "end_idle_threads",
+    "per_rank",
     "record",
     "run",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "SimProcessGroup",
     "bind_rank",
     "create_process_group",
+    "current_context",
     "current_rank",
     "default_process_group",
 ]
@@ -52,6 +53,9 @@ class RankContext:
     world_size: int
     scheduler: Scheduler
     rendezvous: Rendezvous
+    # makes this rank's default group again, after user code destroyed it
+    init_default: Callable[[RankContext], None] | None = None
+    inits: int = 0  # default groups made so far (gloo: each meets on keys of its own)
 
 
 _local = threading.local()
@@ -60,6 +64,12 @@ _local = threading.local()
 def bind_rank(context: RankContext | None) -> None:
     """Make ``context`` the calling thread's world for groups it creates."""
     _local.context = context
+
+
+def current_context() -> RankContext | None:
+    """The calling thread's rank in its world, or None outside a simulated or gloo rank thread."""
+    context: RankContext | None = getattr(_local, "context", None)
+    return context
 
 
 def current_rank() -> int | None:

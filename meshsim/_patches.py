@@ -13,7 +13,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from meshsim import _rng, _torch_private
+import torch.distributed as dist
+
+from meshsim import _integrations, _rng, _torch_private
+from meshsim._backend import current_context
 from meshsim._errors import WorldAborted
 
 __all__ = ["enter_rank_thread", "install", "leave_rank_thread", "take_swallowed_interrupts", "uninstall"]
@@ -44,9 +47,13 @@ class _Patches:
         saved["autograd threads"] = tp.disable_autograd_threads()
         saved["mesh init"] = tp.patch_device_mesh()
         saved["default timeout"] = tp.patch_default_timeout()
+        saved["init"] = tp.patch_init_process_group(_adopt)
         saved["a2a"] = tp.patch_dtensor_cpu_alltoall()
         saved["backend"] = tp.register_backend(backend_name, creator)
         saved["rng"] = _rng.install()
+        saved["imports"] = hook = _integrations.ImportHook()
+        hook.install()
+        _integrations.declare_loaded()
         saved["unraisable"] = sys.unraisablehook
         sys.unraisablehook = _unraisable_hook
 
@@ -54,9 +61,11 @@ class _Patches:
         tp, saved = _torch_private, self._saved
         if sys.unraisablehook is _unraisable_hook:
             sys.unraisablehook = saved["unraisable"]
+        saved["imports"].uninstall()
         _rng.uninstall(saved["rng"])
         tp.unregister_backend(saved["backend"])
         tp.unpatch_dtensor_cpu_alltoall(saved["a2a"])
+        tp.unpatch_init_process_group(saved["init"])
         tp.unpatch_default_timeout(saved["default timeout"])
         tp.unpatch_device_mesh(saved["mesh init"])
         tp.restore_autograd_threads(saved["autograd threads"])
@@ -82,6 +91,37 @@ def _unraisable_hook(unraisable: Any) -> None:
         return
     previous = _PATCHES._saved.get("unraisable", sys.__unraisablehook__)
     previous(unraisable)
+
+
+def _adopt(arguments: dict[str, Any]) -> bool:
+    """``init_process_group`` inside a rank thread: adopt the rank's own default group.
+
+    A torchrun process initializes its process group once; a rank of a world already
+    has one, made by meshsim. Code written for torchrun (a distributed manager's
+    ``initialize()`` in a conftest or fixture) calls ``init_process_group`` anyway:
+    the rank keeps its group (re-made if user code destroyed it) and the call
+    returns, as it would have once connected. Outside rank threads torch's runs.
+
+    Raises:
+        ValueError: the call names a rank or world size the rank does not have.
+    """
+    context = current_context() if _torch_private.is_rank_thread() else None
+    if context is None:
+        return False
+    for name, actual in (("rank", context.rank), ("world_size", context.world_size)):
+        asked = arguments.get(name, -1)
+        if asked is not None and asked != -1 and asked != actual:
+            raise ValueError(
+                f"init_process_group({name}={asked!r}) inside rank {context.rank} of a "
+                f"{context.world_size}-rank meshsim world: the rank already has its process group, "
+                f"with {name} {actual}. Pass the rank's own values (torchrun's RANK and WORLD_SIZE "
+                "are set in every rank) or none."
+            )
+    if not dist.is_initialized():
+        if context.init_default is None:
+            return False
+        context.init_default(context)
+    return True
 
 
 def take_swallowed_interrupts() -> set[int]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from meshsim import _torch_private
+from meshsim._perrank import WorldSlots
 
 __all__ = ["ProcessState", "RankState"]
 
@@ -42,12 +43,19 @@ class RankState:
     cuda_rng: list[torch.Tensor] | None
     default_dtype: torch.dtype
     rank_env: list[tuple[Any, Any]] = field(default_factory=list)  # RANK, LOCAL_RANK, encoded
+    slots: WorldSlots | None = None  # the values declared per rank (meshsim.per_rank), if any
+    declared: list[Any] = field(default_factory=list)  # this rank's values of them
 
     @classmethod
     def fresh(cls, world_size: int, caller: ProcessState) -> list[RankState]:
         """Every rank's starting state: the caller's RNG and dtype (as captured), as after a fork."""
         rng, cuda_rng, dtype = caller.rng, caller.cuda_rng, caller.default_dtype
-        return [cls(rank, world_size, rng, cuda_rng, dtype, _rank_env(rank)) for rank in range(world_size)]
+        slots = caller.slots
+        declared = slots.start(world_size)
+        return [
+            cls(rank, world_size, rng, cuda_rng, dtype, _rank_env(rank), slots, declared[rank])
+            for rank in range(world_size)
+        ]
 
     def save(self) -> None:
         """Remember the process's current values as this rank's (runs at every hand-over)."""
@@ -55,6 +63,8 @@ class RankState:
         if self.cuda_rng is not None or (_CUDA_BUILT and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
             self.cuda_rng = _cuda_rng()
         self.default_dtype = torch.get_default_dtype()
+        if self.slots is not None:
+            self.slots.save(self.declared)
 
     def load(self) -> None:
         """Make this rank's values the process's current ones (runs at every hand-over)."""
@@ -64,10 +74,19 @@ class RankState:
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
         _set_encoded(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+        if self.slots is not None:
+            self.slots.load(self.declared)
 
     def load_world_env(self) -> None:
-        """Set the environment every rank shares (once, before any rank runs)."""
+        """Set the environment every rank shares (once, before any rank runs).
+
+        As torchrun sets it: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, and ``MASTER_ADDR`` /
+        ``MASTER_PORT`` where the caller has none (code written for torchrun reads them
+        before its ``init_process_group``, which a rank adopts).
+        """
         _set_encoded(_world_env(self.world_size))
+        if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
+            _set_encoded(_MASTER_ENV)
 
 
 @dataclass
@@ -84,6 +103,7 @@ class ProcessState:
     default_dtype: torch.dtype
     environ: dict[Any, Any]
     forward_ad_level: int
+    slots: WorldSlots
 
     @classmethod
     def capture(cls) -> ProcessState:
@@ -98,9 +118,11 @@ class ProcessState:
             torch.get_default_dtype(),
             _environ_snapshot(),
             _torch_private.forward_ad_level(),
+            WorldSlots(),
         )
 
     def restore(self) -> None:
+        self.slots.restore_caller()
         # init_process_group wraps sys.excepthook on every call and never unwraps it;
         # hundreds of worlds would nest it past the recursion limit.
         sys.excepthook = self.excepthook
@@ -129,6 +151,11 @@ def _rank_env(rank: int) -> list[tuple[Any, Any]]:
 
 
 @functools.lru_cache(maxsize=64)
+def _master_env() -> list[tuple[Any, Any]]:
+    # Never connected to: a rank's init_process_group adopts its group (see _patches).
+    return _encoded({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+
+
 def _world_env(world_size: int) -> list[tuple[Any, Any]]:
     """The variables every rank of a world shares, encoded (read-only: shared)."""
     return _encoded({"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -207,3 +234,6 @@ def _restore_decoded(saved: dict[Any, Any]) -> None:
     for key, value in saved.items():
         if current.get(key) != value:
             environ[key] = value
+
+
+_MASTER_ENV = _master_env()

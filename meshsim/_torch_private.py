@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import itertools
 import sys
 import threading
@@ -192,6 +193,47 @@ def leave_rank_thread(worlds: _ThreadWorlds) -> None:
     _rank.gpu_paths = False
     _rank.group_timeout = None
     worlds.leave()
+
+
+def patch_init_process_group(adopt: Callable[[dict[str, Any]], bool]) -> Callable[..., None]:
+    """Route ``init_process_group`` calls through ``adopt``; returns the original for the unpatch.
+
+    ``adopt`` receives the call's arguments by name (defaults filled in) and returns
+    True when it took care of the call; otherwise torch's own function runs. The
+    function is bound twice, as ``torch.distributed.init_process_group`` and in
+    ``distributed_c10d`` (checked in 2.11-2.14); code that imported the name before
+    the patch keeps torch's.
+    """
+    original = cast(Callable[..., None], c10d.init_process_group)
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if adopt(dict(bound.arguments)):
+            return None
+        return original(*args, **kwargs)
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+    return original
+
+
+def unpatch_init_process_group(original: Callable[..., None]) -> None:
+    c10d.init_process_group = original
+    dist.init_process_group = original
+
+
+def init_process_group_unpatched(*args: Any, **kwargs: Any) -> None:
+    """torch's own ``init_process_group``, whether or not it is patched now."""
+    init = c10d.init_process_group
+    getattr(init, "__wrapped__", init)(*args, **kwargs)
+
+
+def is_rank_thread() -> bool:
+    """Whether the calling thread is a simulated rank (between enter and leave_rank_thread)."""
+    return getattr(_rank, "token", None) is not None
 
 
 def patch_default_timeout() -> Callable[[Any], datetime.timedelta]:

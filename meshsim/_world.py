@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, Store
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from meshsim import _patches, _threads, _torch_private
 from meshsim._backend import (
@@ -205,9 +205,15 @@ class _World:
                 _unpin(allowed)
 
     def _run(self) -> list[Any]:
-        saved = ProcessState.capture()
-        self.num_threads_default = saved.num_threads
+        # Patches first: they declare the per-rank state of integrated projects already
+        # loaded, which the caller's state then includes.
         _patches.install(BACKEND_NAME, create_process_group)
+        try:
+            saved = ProcessState.capture()
+        except BaseException:
+            _patches.uninstall()
+            raise
+        self.num_threads_default = saved.num_threads
         try:
             try:
                 self._start(saved)
@@ -331,6 +337,7 @@ class _World:
 
     def _rank_body(self, rank: int) -> None:
         context = RankContext(rank, self.world_size, self.scheduler, self.rendezvous)
+        context.init_default = self._init_process_group
         bind_rank(context)
         # per thread; ProcessState restores the default. None: what a new thread gets.
         num_threads = self.num_threads if self.num_threads is not None else self.num_threads_default
@@ -382,11 +389,15 @@ class _World:
             pg = default_process_group(context)
             _torch_private.install_default_group(pg, BACKEND_NAME, self.group_store, self.world_size)
             return
-        dist.init_process_group(
+        assert self.store is not None
+        # A default group made again (user code destroyed it) meets on keys of its own.
+        store = PrefixStore(f"again{context.inits}/", self.store) if context.inits else self.store
+        context.inits += 1
+        _torch_private.init_process_group_unpatched(
             "gloo",
             rank=context.rank,
             world_size=self.world_size,
-            store=self.store,
+            store=store,
             timeout=datetime.timedelta(seconds=self.timeout),
         )
 

@@ -1,0 +1,274 @@
+"""Per-rank state: process-wide values that each simulated rank owns, as real ranks (processes) do.
+
+Rank threads share one process, so a class attribute, a module global or a
+singleton's attributes are one value for every rank. :func:`per_rank` declares
+such values per rank: in a serialized world (the ``sim`` backend) each rank has
+its own value, swapped in and out at every hand-over as the RNG is, and the
+caller's value is back when the world ends. This serves Borg and singleton
+managers (PhysicsNeMo's ``DistributedManager``, Megatron-style ``parallel_state``
+module globals) and anything else a process owns once.
+
+Declarations are process-wide and last until removed. A declaration made while a
+world runs (a module imported inside a rank) joins that world at its next hand-over.
+
+Non-goals: ranks that run at once (gloo thread ranks, ``serialize=False``) share
+these values, as threads do; spawned and torchrun ranks are processes and need none
+of this.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["PerRankState", "WorldSlots", "per_rank"]
+
+_ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
+
+
+class _Slot:
+    """One per-rank value: ``owner.name``, or the whole ``owner.__dict__`` when ``name`` is None."""
+
+    __slots__ = ("fresh", "label", "name", "owner", "pristine")
+
+    def __init__(self, owner: Any, name: str | None, fresh: Callable[[], Any] | None) -> None:
+        self.owner = owner
+        self.name = name
+        self.fresh = fresh
+        self.label = _label(owner, name)
+        # What a rank starts from when the slot joins a world that is already running
+        # (the caller's value is unknown then): the value at declaration, copied.
+        self.pristine = None if fresh is not None else _copy(self.get(), self.label)
+
+    def get(self) -> Any:
+        if self.name is None:
+            return self.owner.__dict__
+        return getattr(self.owner, self.name, _ABSENT)
+
+    def set(self, value: Any) -> None:
+        if self.name is None:
+            if self.owner.__dict__ is not value:
+                self.owner.__dict__ = value
+            return
+        current = getattr(self.owner, self.name, _ABSENT)
+        if current is value:
+            return
+        if value is _ABSENT:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, value)
+
+    def start(self, caller: Any) -> Any:
+        """A rank's starting value: ``fresh()``, or a deep copy of the caller's (as after a fork)."""
+        if self.fresh is not None:
+            return self.fresh()
+        return _copy(caller, self.label)
+
+    def joined_late(self) -> Any:
+        """The starting value of a rank (or the caller) when the slot joins a running world."""
+        if self.fresh is not None:
+            return self.fresh()
+        return _copy(self.pristine, self.label)
+
+
+def _copy(value: Any, label: str) -> Any:
+    if value is _ABSENT:
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception as exc:
+        raise TypeError(
+            f"meshsim cannot give each rank its own copy of {label} ({type(value).__name__}): "
+            f"deepcopy failed with {exc!r}. Pass fresh=... to per_rank() to build each rank's "
+            "starting value instead (for a Borg's shared dict: fresh=dict)."
+        ) from exc
+
+
+def _label(owner: Any, name: str | None) -> str:
+    if isinstance(owner, ModuleType):
+        where = owner.__name__
+    elif isinstance(owner, type):
+        where = f"{owner.__module__}.{owner.__qualname__}"
+    else:
+        where = f"<{type(owner).__qualname__} object>"
+    return where if name is None else f"{where}.{name}"
+
+
+class _Registry:
+    """Every declared slot of the process, and a version that changes with it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.slots: tuple[_Slot, ...] = ()
+        self.version = 0
+
+    def add(self, slots: Sequence[_Slot]) -> None:
+        with self.lock:
+            taken = {(id(s.owner), s.name) for s in self.slots}
+            for slot in slots:
+                if (id(slot.owner), slot.name) in taken or (id(slot.owner), None) in taken:
+                    raise ValueError(f"{slot.label} is already declared per rank")
+            self.slots = (*self.slots, *slots)
+            self.version += 1
+
+    def remove(self, slots: Sequence[_Slot]) -> None:
+        with self.lock:
+            gone = {id(s) for s in slots}
+            self.slots = tuple(s for s in self.slots if id(s) not in gone)
+            self.version += 1
+
+    def declared(self, owner: Any, name: str | None) -> bool:
+        return any(s.owner is owner and s.name == name for s in self.slots)
+
+
+_REGISTRY = _Registry()
+
+
+class PerRankState:
+    """The handle :func:`per_rank` returns: ``remove()`` (or leaving a ``with`` block) undoes it."""
+
+    def __init__(self, slots: tuple[_Slot, ...]) -> None:
+        self._slots = slots
+        self._removed = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The declared values, as ``module.Class.attribute`` labels."""
+        return tuple(slot.label for slot in self._slots)
+
+    def remove(self) -> None:
+        """Make the values process-wide again (worlds that run already keep swapping them)."""
+        if not self._removed:
+            self._removed = True
+            _REGISTRY.remove(self._slots)
+
+    def __enter__(self) -> PerRankState:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"<per_rank {', '.join(self.names)} ({state})>"
+
+
+def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None) -> PerRankState:
+    """Declare process-wide values that each simulated rank owns, as a real rank's process would.
+
+    In a serialized world (the ``sim`` backend, the default) each rank has its own
+    value of every declared attribute, swapped in whenever the rank runs, and the
+    caller's value is back when the world ends. Declare once, e.g. in a conftest::
+
+        meshsim.per_rank(Manager, "_shared_state", fresh=dict)   # a Borg's shared dict
+        meshsim.per_rank(parallel_state, "_TP_GROUP", "_DP_GROUP")  # module globals
+        meshsim.per_rank(settings)                                # a singleton's attributes
+
+    Args:
+        target: a class, a module or an object.
+        names: the attributes of ``target`` that are per rank. With none, the whole
+            ``target.__dict__`` is (an instance: a singleton's attributes).
+
+    Keyword args:
+        fresh: builds each rank's starting value (``dict`` for a Borg's shared dict:
+            every rank starts as a newly started process would). By default each rank
+            starts from a deep copy of the caller's value when the world starts, as a
+            forked process would.
+
+    Returns:
+        a handle whose ``remove()`` (or the end of a ``with`` block) undoes the declaration.
+
+    Raises:
+        TypeError: a name is not a string, ``fresh`` is not callable, or ``target`` is a
+            class or module without names (their ``__dict__`` cannot be swapped).
+        ValueError: a name is not an identifier, or a value is already declared per rank.
+    """
+    if target is None:
+        raise TypeError("per_rank() needs a class, module or object whose state is per rank, got None")
+    if fresh is not None and not callable(fresh):
+        raise TypeError(f"fresh must be a callable that builds a rank's starting value, got {fresh!r}")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"per_rank() attribute names must be strings, got {name!r}")
+        if not name.isidentifier():
+            raise ValueError(f"per_rank() attribute names must be identifiers, got {name!r}")
+    if not names:
+        if isinstance(target, (type, ModuleType)) or not hasattr(target, "__dict__"):
+            kind = "class" if isinstance(target, type) else type(target).__name__
+            raise TypeError(
+                f"per_rank({_label(target, None)}) without attribute names swaps an object's __dict__, "
+                f"which a {kind} does not allow: name the attributes, e.g. "
+                f"per_rank({_label(target, None).rsplit('.', 1)[-1]}, '_shared_state')"
+            )
+    slots = tuple(_Slot(target, name, fresh) for name in names) if names else (_Slot(target, None, fresh),)
+    _REGISTRY.add(slots)
+    return PerRankState(slots)
+
+
+def declared(target: object, name: str | None) -> bool:
+    """Whether ``target.name`` (or ``target.__dict__`` when ``name`` is None) is declared per rank."""
+    return _REGISTRY.declared(target, name)
+
+
+class WorldSlots:
+    """The declared slots as one world sees them: the caller's values and each rank's.
+
+    A rank's values are a plain list, in the order of :attr:`slots`; the world keeps
+    one per rank and passes it to :meth:`save` and :meth:`load` at hand-overs.
+    """
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = list(_REGISTRY.slots)
+        self.version = _REGISTRY.version
+        self.caller: list[Any] = [slot.get() for slot in self.slots]
+        self.ranks: list[list[Any]] = []
+
+    def start(self, world_size: int) -> list[list[Any]]:
+        """Every rank's starting values (kept by the world; :meth:`save` and :meth:`load` take them)."""
+        self.ranks = [[s.start(c) for s, c in zip(self.slots, self.caller)] for _ in range(world_size)]
+        return self.ranks
+
+    def save(self, values: list[Any]) -> None:
+        """Store the process's current values into a rank's list (runs at every hand-over)."""
+        if self.version != _REGISTRY.version:
+            self._refresh(values)
+        for i, slot in enumerate(self.slots):
+            values[i] = slot.get()
+
+    def load(self, values: list[Any]) -> None:
+        """Make a rank's values the process's current ones (runs at every hand-over)."""
+        if self.version != _REGISTRY.version:
+            self._refresh(None)  # the rank that ran last finished: its values are moot
+        for slot, value in zip(self.slots, values):
+            slot.set(value)
+
+    def restore_caller(self) -> None:
+        """Put the caller's values back (the world's end, or between a session's jobs)."""
+        if self.version != _REGISTRY.version:
+            self._refresh(None)
+        for slot, value in zip(self.slots, self.caller):
+            slot.set(value)
+
+    def _refresh(self, saving: list[Any] | None) -> None:
+        """Take in declarations made since the world started (or removed since).
+
+        ``saving``: the values of the rank that is running (its current values become
+        its own); every other rank and the caller start a slot that joins late afresh.
+        """
+        current = list(_REGISTRY.slots)
+        self.version = _REGISTRY.version
+        still = {id(s) for s in current}
+        for slot, value in zip(self.slots, self.caller):
+            if id(slot) not in still:
+                slot.set(value)  # process-wide again: the caller's value
+        known = {id(s): i for i, s in enumerate(self.slots)}
+        added = [s for s in current if id(s) not in known]
+        kept = [known[id(s)] for s in current if id(s) in known]
+        self.slots = [self.slots[i] for i in kept] + added
+        self.caller = [self.caller[i] for i in kept] + [s.joined_late() for s in added]
+        for values in self.ranks:
+            fills = [s.get() if values is saving else s.joined_late() for s in added]
+            values[:] = [values[i] for i in kept] + fills
