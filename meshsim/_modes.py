@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshsim._fixtures import RankFixtures, resolve
+from meshsim._outcomes import CODES, FAILED, PASSED, combine, kind_of, outcome_exception, reason_of
 from meshsim._recorder import DispatchRecorder
 from meshsim._world import run
 
@@ -83,7 +84,12 @@ class StaticSession:
             dist.destroy_process_group()
 
     def run(self, test: TestFunction, funcargs: dict[str, Any]) -> None:
-        """Run the body here, then agree with every rank on the outcome (one small all_gather)."""
+        """Run the body here, then agree with every rank on the outcome (one small all_gather).
+
+        Every rank ends with the test's outcome (see :mod:`meshsim._outcomes`): a
+        failure on any rank fails it everywhere; else a skip or xfail on any rank
+        skips or xfails it everywhere, with that rank's reason.
+        """
         fixtures = RankFixtures(cache=self.fixtures_cache)
         failure: BaseException | None = None
         try:
@@ -94,17 +100,27 @@ class StaticSession:
                 test(**kwargs)
         except BaseException as exc:  # reported after every rank has had its say
             failure = exc
-        failed = self._failed_ranks(failure is not None)
-        if failure is not None:
+        here = kind_of(failure)
+        kinds = self._outcomes(here)
+        outcome, decider = combine(kinds)
+        if outcome == PASSED:
+            return
+        if failure is not None and (here == outcome or here == FAILED):
             raise failure
-        if failed:
+        if outcome == FAILED:
+            failed = [r for r, kind in enumerate(kinds) if kind == FAILED]
             raise TestFailedOnOtherRanks(
-                f"passed on rank {self.rank} but failed on rank{'s' if len(failed) > 1 else ''} "
+                f"{here} on rank {self.rank} but failed on rank{'s' if len(failed) > 1 else ''} "
                 f"{', '.join(map(str, failed))} (rank 0's report, or --mesh-report=all, shows why)"
             )
+        assert decider is not None  # a skip or xfail came from somewhere
+        reasons: list[Any] = [None] * self.world_size
+        mine = reason_of(failure) if failure is not None else ""
+        dist.all_gather_object(reasons, mine, group=self.agreement)
+        raise outcome_exception(outcome, str(reasons[decider]), decider)
 
-    def _failed_ranks(self, failed_here: bool) -> list[int]:
-        flags = torch.zeros(self.world_size, dtype=torch.int32)
-        mine = torch.tensor([1 if failed_here else 0], dtype=torch.int32)
-        dist.all_gather_into_tensor(flags, mine, group=self.agreement)
-        return [r for r, flag in enumerate(flags.tolist()) if flag]
+    def _outcomes(self, here: str) -> list[str]:
+        codes = torch.zeros(self.world_size, dtype=torch.int32)
+        mine = torch.tensor([CODES.index(here)], dtype=torch.int32)
+        dist.all_gather_into_tensor(codes, mine, group=self.agreement)
+        return [CODES[code] for code in codes.tolist()]

@@ -134,17 +134,29 @@ def _reap(children: list[Any]) -> None:
 
 
 def _raise_first_failure(outcomes: dict[int, tuple[str, str, float]], world_size: int) -> None:
-    """Raise for the rank that failed first: later failures are usually its consequences."""
-    failed = sorted((when, rank) for rank, (kind, _, when) in outcomes.items() if kind != "ok")
-    if not failed:
+    """Raise for the rank that failed first: later failures are usually its consequences.
+
+    A rank that skipped or xfailed first (``pytest.skip``, ``pytest.xfail``) decides
+    the outcome: the ranks that fail after it are those it left waiting in a
+    collective, whose group closed (see :mod:`meshsim._outcomes`).
+    """
+    from meshsim._outcomes import outcome_exception
+
+    ended = sorted((when, rank) for rank, (kind, _, when) in outcomes.items() if kind != "ok")
+    if not ended:
         return
-    rank = failed[0][1]
+    rank = ended[0][1]
     kind, text, _ = outcomes[rank]
+    if kind in _SKIPS:
+        raise outcome_exception(kind, text, rank)
     error = RankError(rank, world_size, text if kind == "error" else f"{kind}: {text}")
-    later = [f"rank {r}: {outcomes[r][0]}" for _, r in failed[1:]]
+    later = [f"rank {r}: {outcomes[r][0]}" for _, r in ended if r != rank]
     if later:
         error.add_note("after it, " + "; ".join(later))
     raise error
+
+
+_SKIPS = ("skipped", "xfailed")
 
 
 def _child_main(
@@ -210,9 +222,19 @@ def _run_rank(
     except BaseException as exc:
         # reported before the process group goes down: its closing sockets make the
         # other ranks fail too, and the parent must know who failed first
-        _report(pipe, ("error", format_user_traceback(exc), time.time()))
+        _report(pipe, _ended(exc))
     finally:
         dist.destroy_process_group()
+
+
+def _ended(exc: BaseException) -> tuple[str, str, float]:
+    """A rank's outcome for the parent: a skip or xfail with its reason, or an error with its traceback."""
+    from meshsim._outcomes import FAILED, kind_of, reason_of
+
+    kind = kind_of(exc)
+    if kind == FAILED:
+        return ("error", format_user_traceback(exc), time.time())
+    return (kind, reason_of(exc), time.time())
 
 
 def _die_with_parent() -> None:

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -450,9 +450,29 @@ def _drop_frame_locals(exc: BaseException) -> None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
+        _clear_frames(current.__traceback__)
         pending += [current.__cause__, current.__context__]
         pending += getattr(current, "exceptions", ())  # an ExceptionGroup's members
+
+
+def _clear_frames(tb: types.TracebackType | None) -> None:
+    """``traceback.clear_frames``, keeping pytest's own frames (``pytest.skip``, ``pytest.xfail``).
+
+    They hold no groups, and their ``__tracebackhide__`` locals are how pytest finds
+    the user's line to report a skip at.
+    """
+    keep = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for module in (sys.modules.get("_pytest"), sys.modules.get("pluggy"))
+        if module is not None and module.__file__
+    )
+    while tb is not None:
+        if not keep or not tb.tb_frame.f_code.co_filename.startswith(keep):
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:
+                pass  # still executing
+        tb = tb.tb_next
 
 
 def _pin(cpu: int | None, allowed: frozenset[int] | None) -> bool:

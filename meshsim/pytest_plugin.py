@@ -259,10 +259,34 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         target = TestTarget(pyfuncitem.module.__name__, str(pyfuncitem.path), test.__qualname__)
         run_in_processes(target, funcargs, size, timeout=state.timeout)
         return True
+    from meshsim._errors import RankError
     from meshsim._modes import run_on_threads
 
-    run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout)
+    try:
+        run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout)
+    except RankError as error:
+        raise _decided(error) from None
     return True
+
+
+def _decided(error: BaseException) -> BaseException:
+    """What a failed world means for the test: the first rank's skip or xfail if no rank failed.
+
+    A skip or xfail is raised as the rank raised it (its traceback gives the
+    location pytest reports); any other failure wins over them, noting who skipped.
+    """
+    from meshsim._errors import RankError
+    from meshsim._outcomes import FAILED, kind_of
+
+    if not isinstance(error, RankError) or not error.failures:
+        return error
+    kinds = [(rank, exc, kind_of(exc)) for rank, exc in error.failures]
+    if any(kind == FAILED for _, _, kind in kinds):
+        others = [f"rank {rank} {kind}: {exc}" for rank, exc, kind in kinds if kind != FAILED]
+        if others:
+            error.add_note("; ".join(others))
+        return error
+    return kinds[0][1]
 
 
 @pytest.hookimpl(wrapper=True)
