@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsim import _ledger, _ops, _torch_private
+from meshsim import _ledger, _ops, _recorder, _torch_private
 from meshsim import _movement as mv
 from meshsim._ledger import Collective
 from meshsim._rendezvous import Call, Message, PostedRecv, Rendezvous
@@ -70,6 +70,21 @@ def current_context() -> RankContext | None:
     """The calling thread's rank in its world, or None outside a simulated or gloo rank thread."""
     context: RankContext | None = getattr(_local, "context", None)
     return context
+
+
+def restart_numbering() -> None:
+    """Number the calling rank's collectives from 0 again in ledgers, on every group it has.
+
+    The rendezvous keeps its own count; ledgers show each group's calls since this
+    call, as a new world's would (a session's next test). On gloo ranks, the rank's
+    dispatch recorder starts its count again.
+    """
+    for group in _torch_private.thread_groups():
+        if isinstance(group, SimProcessGroup):
+            group.restart_numbering()
+    recorder = _recorder.current()
+    if recorder is not None:
+        recorder.restart_numbering()
 
 
 def current_rank() -> int | None:
@@ -233,6 +248,9 @@ class SimProcessGroup(dist.ProcessGroup):
         self._group_rank = group_rank
         self._seq = 0
         self._p2p_seq: dict[tuple[str, int], int] = {}
+        # what ledgers count from (restart_numbering): the rendezvous keeps counting
+        self._seq_base = 0
+        self._p2p_base: dict[tuple[str, int], int] = {}
         # c10d makes a group in the rank thread that uses it: that thread's open
         # ledgers, held here, spare a thread-local lookup on every collective.
         self._ledgers = _ledger.open_ledgers()
@@ -241,6 +259,11 @@ class SimProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:  # type: ignore[override]
         name: str = self._group.name
         return name
+
+    def restart_numbering(self) -> None:
+        """Number this group's calls in ledgers from 0 again (see :func:`restart_numbering`)."""
+        self._seq_base = self._seq
+        self._p2p_base = dict(self._p2p_seq)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -312,6 +335,7 @@ class SimProcessGroup(dist.ProcessGroup):
         ranks = self._group.ranks
         site = _ledger.site_of(frame)
         peer = ranks[root] if root is not None else None
+        seq -= self._seq_base
         _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
         return site
 
@@ -680,6 +704,7 @@ class SimProcessGroup(dist.ProcessGroup):
         seq = self._p2p_seq.get(key, 0)
         self._p2p_seq[key] = seq + 1
         if _ledger.is_recording():
+            seq -= self._p2p_base.get(key, 0)
             nbytes = _nbytes(tensors)
             sent, received = (nbytes, 0) if op == "send" else (0, nbytes)
             ranks = self._group.ranks

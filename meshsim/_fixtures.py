@@ -5,10 +5,15 @@ are per rank, but pytest resolves fixtures once, in one thread. The plugin's
 fixtures therefore return :class:`PerRank` placeholders, and each rank resolves
 them through a :class:`RankFixtures` when the test body starts on it. The same
 class serves ``--multigpu-static``, where the one process is the rank.
+
+The user's own fixtures that a torchrun process would run for itself (see
+:func:`recipe`) become placeholders too: each rank runs the fixture function,
+once per :class:`RankFixtures`, and its teardown when the rank's scope ends.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +23,7 @@ import torch.distributed as dist
 
 from meshsim._ledger import Ledger, recording_into
 
-__all__ = ["PerRank", "RankFixtures", "mesh_device"]
+__all__ = ["PerRank", "RankFixtures", "Recipe", "mesh_device", "recipe", "resolve"]
 
 
 def mesh_device() -> str:
@@ -30,10 +35,16 @@ def mesh_device() -> str:
 
 @dataclass
 class RankFixtures:
-    """Builds one rank's fixture values; meshes are cached (``cache``) by shape and names."""
+    """Builds one rank's fixture values; meshes are cached (``cache``) by shape and names.
+
+    ``values`` holds the user fixtures built on this rank (see :func:`recipe`), and
+    ``teardowns`` their generators, oldest first.
+    """
 
     cache: dict[tuple[tuple[int, ...], tuple[str, ...] | None], Any] = field(default_factory=dict)
     ledger: Ledger | None = None
+    values: dict[object, Any] = field(default_factory=dict)
+    teardowns: list[tuple[object, str, Iterator[Any]]] = field(default_factory=list)
 
     def rank(self) -> int:
         return dist.get_rank()
@@ -81,6 +92,65 @@ class RankFixtures:
             return
         with recording_into(self.ledger):
             yield
+
+    def finish(self, key: object = None, *, scope: str | None = None) -> None:
+        """Tear down, newest first, the user fixtures built here: one (``key``), a ``scope``'s, or all.
+
+        Raises:
+            RuntimeError: a fixture's generator yielded a second time.
+        """
+        keep: list[tuple[object, str, Iterator[Any]]] = []
+        done: list[tuple[object, str, Iterator[Any]]] = []
+        for entry in self.teardowns:
+            chosen = (key is None and scope is None) or entry[0] == key or entry[1] == scope
+            (done if chosen else keep).append(entry)
+        self.teardowns = keep
+        for entry_key, _, _ in done:
+            self.values.pop(entry_key, None)
+        for _, _, generator in reversed(done):
+            _finish_generator(generator)
+
+
+def _finish_generator(generator: Iterator[Any]) -> None:
+    try:
+        next(generator)
+    except StopIteration:
+        return
+    name = getattr(getattr(generator, "gi_code", None), "co_name", "a fixture")
+    raise RuntimeError(f"fixture {name!r} yielded a second time; a fixture function may yield once")
+
+
+@dataclass(frozen=True, eq=False)
+class Recipe:
+    """How a rank builds its own value of a user fixture: the function and its arguments.
+
+    ``kwargs`` may hold :class:`PerRank` values (fixtures it depends on), resolved
+    on the rank first. ``key`` tells instances apart (one per fixture and parameter).
+    """
+
+    name: str
+    func: Callable[..., Any]
+    kwargs: dict[str, Any]
+    scope: str
+    key: object
+
+    def build(self, fixtures: RankFixtures) -> Any:
+        if self.key in fixtures.values:
+            return fixtures.values[self.key]
+        kwargs = resolve(self.kwargs, fixtures)
+        if inspect.isgeneratorfunction(self.func):
+            generator = self.func(**kwargs)
+            value = next(generator)
+            fixtures.teardowns.append((self.key, self.scope, generator))
+        else:
+            value = self.func(**kwargs)
+        fixtures.values[self.key] = value
+        return value
+
+
+def recipe(name: str, func: Callable[..., Any], kwargs: dict[str, Any], scope: str, key: object) -> PerRank:
+    """A placeholder whose value each rank builds by running the fixture function itself."""
+    return PerRank(name, Recipe(name, func, kwargs, scope, key).build)
 
 
 def _product(dims: Sequence[int]) -> int:

@@ -17,7 +17,17 @@ import torch
 import torch.distributed as dist
 
 from meshsim._fixtures import RankFixtures, resolve
-from meshsim._outcomes import CODES, FAILED, PASSED, combine, kind_of, outcome_exception, reason_of
+from meshsim._outcomes import (
+    CODES,
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    combine,
+    kind_of,
+    outcome_exception,
+    reason_of,
+)
 from meshsim._recorder import DispatchRecorder
 from meshsim._world import run
 
@@ -31,6 +41,7 @@ def _body(test: TestFunction, funcargs: dict[str, Any]) -> None:
     kwargs = resolve(funcargs, fixtures)
     with fixtures.recording():
         test(**kwargs)
+    fixtures.finish()  # the user fixtures built on this rank: the world ends with the test
 
 
 def run_on_threads(
@@ -67,20 +78,28 @@ class StaticSession:
     timeout: float
     fixtures_cache: dict[Any, Any] = field(default_factory=dict)
     agreement: Any = None
+    owns_group: bool = False  # meshsim made the default group (no conftest had)
 
     def start(self) -> None:
-        """Join the torchrun job: NCCL on ``cuda:LOCAL_RANK`` when CUDA is there, else gloo."""
+        """Join the torchrun job, unless the user's set-up (a conftest's manager) already has.
+
+        Its default group is NCCL on ``cuda:LOCAL_RANK`` when CUDA is there, else gloo.
+        Called once the conftests' ``pytest_configure`` have run, so that a
+        distributed manager initialized there keeps the group it made.
+        """
         timeout = datetime.timedelta(seconds=self.timeout)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size, timeout=timeout)
-        else:
-            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        if not dist.is_initialized():
+            self.owns_group = True
+            if torch.cuda.is_available():
+                torch.cuda.set_device(self.local_rank)
+                dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size, timeout=timeout)
+            else:
+                dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
         # Outcomes travel on their own CPU group, apart from the tests' own traffic.
         self.agreement = dist.new_group(backend="gloo", timeout=timeout)
 
     def stop(self) -> None:
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
     def run(self, test: TestFunction, funcargs: dict[str, Any]) -> None:
@@ -103,6 +122,10 @@ class StaticSession:
         here = kind_of(failure)
         kinds = self._outcomes(here)
         outcome, decider = combine(kinds)
+        reasons: list[Any] = [None] * self.world_size
+        if outcome in (SKIPPED, XFAILED):  # every rank takes part, whatever it raises after
+            mine = reason_of(failure) if failure is not None else ""
+            dist.all_gather_object(reasons, mine, group=self.agreement)
         if outcome == PASSED:
             return
         if failure is not None and (here == outcome or here == FAILED):
@@ -114,9 +137,6 @@ class StaticSession:
                 f"{', '.join(map(str, failed))} (rank 0's report, or --mesh-report=all, shows why)"
             )
         assert decider is not None  # a skip or xfail came from somewhere
-        reasons: list[Any] = [None] * self.world_size
-        mine = reason_of(failure) if failure is not None else ""
-        dist.all_gather_object(reasons, mine, group=self.agreement)
         raise outcome_exception(outcome, str(reasons[decider]), decider)
 
     def _outcomes(self, here: str) -> list[str]:

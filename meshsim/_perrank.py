@@ -231,6 +231,17 @@ class WorldSlots:
         self.ranks = [[s.start(c) for s, c in zip(self.slots, self.caller)] for _ in range(world_size)]
         return self.ranks
 
+    def recapture(self) -> None:
+        """Take the caller's values anew (a session's next call); ranks take those it changed."""
+        if self.version != _REGISTRY.version:
+            self._refresh(None)
+        for i, slot in enumerate(self.slots):
+            now = slot.get()
+            if now is not self.caller[i]:
+                self.caller[i] = now
+                for values in self.ranks:
+                    values[i] = slot.start(now)
+
     def save(self, values: list[Any]) -> None:
         """Store the process's current values into a rank's list (runs at every hand-over)."""
         if self.version != _REGISTRY.version:

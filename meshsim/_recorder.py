@@ -13,6 +13,7 @@ collectives they desugar into are seen on plain tensors, as on the simulated bac
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshsim import _ledger, _torch_private
 from meshsim._ledger import Collective
 
-__all__ = ["DispatchRecorder"]
+__all__ = ["DispatchRecorder", "current"]
 
 Tensor = torch.Tensor
 
@@ -238,6 +239,15 @@ _HANDLERS: dict[tuple[str, str], _Handler] = {
 }
 
 
+_local = threading.local()
+
+
+def current() -> DispatchRecorder | None:
+    """The recorder entered in the calling thread, if any."""
+    recorder: DispatchRecorder | None = getattr(_local, "recorder", None)
+    return recorder
+
+
 class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Feeds :func:`meshsim.record` from the dispatcher; enter it in each rank's thread.
 
@@ -251,6 +261,20 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self._seq: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, ...]] = {}
         self.entered = 0.0  # time.monotonic() when this rank last entered a collective
+        self._outer: DispatchRecorder | None = None
+
+    def __enter__(self) -> DispatchRecorder:
+        self._outer, _local.recorder = current(), self
+        entered: DispatchRecorder = super().__enter__()  # type: ignore[no-untyped-call]
+        return entered
+
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
+        _local.recorder = self._outer
+
+    def restart_numbering(self) -> None:
+        """Count every group's calls from 0 again (a session's next test)."""
+        self._seq.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-__all__ = ["enter_rank", "install", "leave_rank", "uninstall"]
+__all__ = ["enter_rank", "install", "leave_rank", "numpy_fingerprint", "uninstall"]
 
 _local = threading.local()
 _NUMPY_ALIASES = {"seed": "seed", "sample": "random_sample", "ranf": "random_sample"}
@@ -156,3 +156,12 @@ def leave_rank() -> None:
     _local.is_rank = False
     _local.python = None
     _local.numpy = None
+
+
+def numpy_fingerprint() -> Any:
+    """Something equal exactly when NumPy's global RNG is in the same state (None without NumPy)."""
+    nprandom = sys.modules.get("numpy.random")
+    if nprandom is None:
+        return None
+    _, keys, pos, has_gauss, gauss = nprandom.mtrand._rand.get_state()
+    return (keys.tobytes(), pos, has_gauss, gauss)

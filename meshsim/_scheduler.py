@@ -42,7 +42,11 @@ class Waitable:
     Attributes:
         done: set once the wait is over (successfully or with ``error``).
         error: raised in every waiter when set.
+        idle: a rank waiting here has nothing to do until its world gives it more
+            (a session's next job): not a deadlock, and not subject to the timeout.
     """
+
+    idle = False
 
     def __init__(self) -> None:
         self.done = False
@@ -119,6 +123,9 @@ class Scheduler:
         self._last_ran: int | None = None
         self._done = 0
         self._progress_at = time.monotonic()
+        # called (lock held) when every rank that has not finished waits on an idle
+        # Waitable: a session's job is over
+        self.on_idle: Callable[[], None] | None = None
 
     def __enter__(self) -> Scheduler:
         """``with scheduler:`` holds :attr:`lock`; the wake-ups made meanwhile go out as it is released.
@@ -216,6 +223,27 @@ class Scheduler:
                 if not self.serialize:
                     self._signal(rank)
 
+    def resume(self, waitable: Waitable) -> None:
+        """Complete an idle ``waitable`` and let its waiters run (a session's next job).
+
+        In serialize mode the lowest waiting rank gets the baton, and every rank loads
+        its own state when it next runs (the caller's was in place meanwhile).
+        """
+        self.lock.acquire()
+        try:
+            self.raise_if_aborted()
+            self.wake(waitable)
+            if self.serialize:
+                self._last_ran = None
+                if self._holder is None:
+                    for rank, state in enumerate(self._state):
+                        if state == _READY:
+                            self._holder = rank
+                            self._signal(rank)
+                            break
+        finally:
+            self._unlock()
+
     def raise_if_aborted(self) -> None:
         """Raise :class:`WorldAborted` when the world has failed. Call with ``lock`` held."""
         if self.error is not None:
@@ -269,7 +297,7 @@ class Scheduler:
             if self.error is not None or self.finished.is_set():
                 return False
             idle = time.monotonic() - self._progress_at
-            waiting = [r for r in range(self.world_size) if self._state[r] in (_READY, _BLOCKED)]
+            waiting = [r for r in range(self.world_size) if self._state[r] == _READY or self._waits(r)]
             if idle < timeout or not waiting:
                 return False
             return self._abort(self._timeout_error(idle, timeout))
@@ -355,7 +383,16 @@ class Scheduler:
         states = self._state
         if _RUNNING in states or _READY in states or _BLOCKED not in states:
             return
+        if not any(self._waits(rank) for rank in range(self.world_size)):
+            if self.on_idle is not None:
+                self.on_idle()
+            return
         self._abort(self._stall_error())
+
+    def _waits(self, rank: int) -> bool:
+        """Whether ``rank`` is blocked on something other than an idle Waitable."""
+        waitable = self._waiting[rank]
+        return self._state[rank] == _BLOCKED and waitable is not None and not waitable.idle
 
     def _abort(self, error: BaseException) -> bool:
         if self.error is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from meshsim import _torch_private
+from meshsim import _rng, _torch_private
 from meshsim._perrank import WorldSlots
 
 __all__ = ["ProcessState", "RankState"]
@@ -104,9 +104,15 @@ class ProcessState:
     environ: dict[Any, Any]
     forward_ad_level: int
     slots: WorldSlots
+    numpy_rng: Any = None  # a fingerprint of NumPy's global RNG (None: NumPy not loaded)
 
     @classmethod
-    def capture(cls) -> ProcessState:
+    def capture(cls, slots: WorldSlots | None = None) -> ProcessState:
+        """The caller's state now; ``slots``: a session's, whose caller values are taken anew."""
+        if slots is None:
+            slots = WorldSlots()
+        else:
+            slots.recapture()
         return cls(
             sys.excepthook,
             threading.excepthook,
@@ -118,7 +124,8 @@ class ProcessState:
             torch.get_default_dtype(),
             _environ_snapshot(),
             _torch_private.forward_ad_level(),
-            WorldSlots(),
+            slots,
+            _rng.numpy_fingerprint(),
         )
 
     def restore(self) -> None:
@@ -142,6 +149,52 @@ class ProcessState:
         _restore_environ(self.environ)
         # dual levels a rank entered and never exited (the level is process-wide)
         _torch_private.exit_forward_ad_levels(self.forward_ad_level)
+
+    def hand_to_ranks(self, previous: ProcessState, states: list[RankState]) -> bool:
+        """Give every rank what the caller changed since ``previous`` was put back.
+
+        Between a session's calls the pytest process runs function-scoped fixtures;
+        what they do to per-process state (seed the RNGs, set the default dtype),
+        torchrun would have done in every process: each rank takes it. Declared
+        per-rank values are handed on by :meth:`WorldSlots.recapture`.
+
+        Returns:
+            whether Python's or NumPy's global RNG changed: each rank then draws
+            afresh from it (see :func:`meshsim._rng.enter_rank`).
+        """
+        rng = not torch.equal(self.rng, previous.rng)
+        cuda = self.cuda_rng is not None and (
+            previous.cuda_rng is None
+            or any(not torch.equal(a, b) for a, b in zip(self.cuda_rng, previous.cuda_rng))
+        )
+        for state in states:
+            if rng:
+                state.rng = self.rng
+            if cuda:
+                state.cuda_rng = self.cuda_rng
+            if self.default_dtype != previous.default_dtype:
+                state.default_dtype = self.default_dtype
+        return bool(self.py_random != previous.py_random or self.numpy_rng != previous.numpy_rng)
+
+
+def environ_changes(since: dict[Any, Any]) -> dict[Any, Any]:
+    """The variables set (value) or removed (None) since the ``since`` snapshot, but the ranks' own."""
+    now = _environ_snapshot()
+    changes: dict[Any, Any] = {k: v for k, v in now.items() if since.get(k) != v}
+    changes.update({k: None for k in since.keys() - now.keys()})
+    for key in _RANK_KEYS:
+        changes.pop(key, None)
+    return changes
+
+
+def apply_environ_changes(changes: dict[Any, Any]) -> None:
+    """Set and remove what :func:`environ_changes` found."""
+    if not changes:
+        return
+    current = _environ_snapshot()
+    wanted = {k: v for k, v in current.items() if changes.get(k, v) is not None}
+    wanted.update({k: v for k, v in changes.items() if v is not None})
+    _restore_environ(wanted)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -237,3 +290,6 @@ def _restore_decoded(saved: dict[Any, Any]) -> None:
 
 
 _MASTER_ENV = _master_env()
+
+# What a rank's own environment holds (set at hand-overs and at the world's start).
+_RANK_KEYS = [key for pairs in (_rank_env(0), _world_env(1), _MASTER_ENV) for key, _ in pairs]

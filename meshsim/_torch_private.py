@@ -398,6 +398,11 @@ def default_group_store(store: Store) -> Store:
     return PrefixStore("0/", PrefixStore("default_pg", store))
 
 
+def thread_groups() -> list[dist.ProcessGroup]:
+    """The process groups c10d knows in the calling thread's world."""
+    return list(c10d._world.pg_map)
+
+
 def forget_groups() -> None:
     """Drop this rank thread's process groups from torch's registry (the world's end).
 

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -186,13 +187,12 @@ class _World:
         self.cpu: int | None = None
         self.cpus: frozenset[int] | None = None  # where rank threads run
         self.recorders: list[DispatchRecorder] = []  # gloo: when each rank last entered a collective
+        self.states: list[RankState] = []  # each rank's per-process state (serialize mode)
 
     # -- the caller's side ----------------------------------------------------------
 
     def run(self) -> list[Any]:
-        allowed = _affinity()  # read once: each affinity system call costs a few microseconds
-        self.cpu = self._rank_cpu(allowed) if self.scheduler.serialize else None
-        self.cpus = frozenset({self.cpu}) if self.cpu is not None else allowed
+        allowed = self.place()
         # The caller runs on the ranks' CPU too while the world lives: its hand-overs
         # with them (the start, the end) then need no cross-CPU wake-up, which made a
         # world's set-up and teardown ~1.5x slower on a 2-CPU VM. New rank threads
@@ -204,36 +204,59 @@ class _World:
             if pinned:
                 _unpin(allowed)
 
+    def place(self) -> frozenset[int] | None:
+        """Choose the CPU(s) rank threads run on; returns the caller's (see :meth:`pin_caller`)."""
+        allowed = _affinity()  # read once: each affinity system call costs a few microseconds
+        self.cpu = self._rank_cpu(allowed) if self.scheduler.serialize else None
+        self.cpus = frozenset({self.cpu}) if self.cpu is not None else allowed
+        return allowed
+
     def _run(self) -> list[Any]:
+        saved = self.open()
+        try:
+            try:
+                self._supervise()
+            except BaseException as exc:  # KeyboardInterrupt in the caller
+                self.scheduler.abort(exc)
+                raise
+        finally:
+            self.close(saved)
+        return self._outcome()
+
+    def open(self) -> ProcessState:
+        """Install what worlds need, capture the caller's state and start the ranks; returns that state."""
         # Patches first: they declare the per-rank state of integrated projects already
         # loaded, which the caller's state then includes.
         _patches.install(BACKEND_NAME, create_process_group)
         try:
             saved = ProcessState.capture()
+            self.num_threads_default = saved.num_threads
+            try:
+                self._start(saved)
+            except BaseException as exc:
+                self.scheduler.abort(exc)
+                self._stop()
+                saved.restore()
+                raise
         except BaseException:
             _patches.uninstall()
             raise
-        self.num_threads_default = saved.num_threads
+        return saved
+
+    def close(self, saved: ProcessState) -> None:
+        """Wait for (or stop) the ranks and put the caller's state back; the world's end."""
         try:
-            try:
-                self._start(saved)
-                self._supervise()
-            except BaseException as exc:  # KeyboardInterrupt in the caller
-                self.scheduler.abort(exc)
-                raise
-            finally:
-                self._stop()
-                saved.restore()
+            self._stop()
+            saved.restore()
         finally:
             _patches.uninstall()
-        return self._outcome()
 
     def _start(self, caller: ProcessState) -> None:
         self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
 
         if self.scheduler.serialize:
-            states = RankState.fresh(self.world_size, caller)
+            self.states = states = RankState.fresh(self.world_size, caller)
             self.saves[:] = [state.save for state in states]
             self.loads[:] = [state.load for state in states]
             states[0].load_world_env()
@@ -257,10 +280,16 @@ class _World:
         return _current_cpu(allowed)
 
     def _supervise(self) -> None:
+        self.supervise(self.scheduler.finished)
+
+    def supervise(self, until: threading.Event) -> None:
+        """Check the world's timeout and nudge parked ranks until ``until`` or the world's end."""
         poll = min(0.05, self.timeout / 10)
         scheduler = self.scheduler
         nudged = time.monotonic()
-        while not scheduler.finished.wait(poll):
+        while not until.wait(poll):
+            if scheduler.finished.is_set():
+                return
             scheduler.check_timeout(self.timeout)
             nudged = _nudge_every_second(scheduler, nudged)
 
@@ -302,6 +331,10 @@ class _World:
         # one may begin after the stop did (a rank finishing a slow first import).
         began = max([start, *(recorder.entered for recorder in self.recorders)])
         return min(began, start + self.timeout) + self.timeout + _STOP_GRACE
+
+    def outcome(self) -> list[Any]:
+        """Each rank's result, or raise what made the world fail."""
+        return self._outcome()
 
     def _outcome(self) -> list[Any]:
         error = self.scheduler.error

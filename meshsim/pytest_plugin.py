@@ -26,6 +26,7 @@ import pytest
 
 if TYPE_CHECKING:
     from meshsim._modes import StaticSession
+    from meshsim._simjob import SimulatedJob
 
 BACKENDS = ("sim", "gloo", "spawn")
 _WORLD_PARAM = "_meshsim_world"
@@ -46,10 +47,31 @@ class _State:
         self.backend = backend
         self.world_size = world_size
         self.timeout = timeout
-        self.static: StaticSession | None = None
+        self.static: StaticSession | None = None  # torchrun: this process is one rank
+        self.job: SimulatedJob | None = None  # --multigpu-static simulated: the session's world
+        self.suite: str | None = None  # "static" or "dynamic": the suite --multigpu-* selects
+        self.owns_suite_options = False  # meshsim defined --multigpu-static/-dynamic (no conftest did)
+        self.item: pytest.Item | None = None  # the distributed test being set up or run
 
 
 _STATE = pytest.StashKey[_State]()
+_OWNS_SUITE_OPTIONS = pytest.StashKey[bool]()
+
+# PhysicsNeMo's suite options: a conftest may define them itself (theirs does).
+_SUITE_OPTIONS = (
+    (
+        "--multigpu-static",
+        "multigpu_static",
+        "the multi-GPU static suite: multigpu_static (and world) tests only. Under torchrun each "
+        "process is one rank of one process group kept for the session; without torchrun the "
+        "ranks are simulated (--world-size, --mesh-backend), set up as torchrun would",
+    ),
+    (
+        "--multigpu-dynamic",
+        "multigpu_dynamic",
+        "the multi-GPU dynamic suite: multigpu_dynamic tests only (they start their own processes)",
+    ),
+)
 
 
 def _positive_int(text: str) -> int:
@@ -90,11 +112,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="ranks for @pytest.mark.multigpu_static tests when simulated (default 4)",
     )
     group.addoption(
-        "--multigpu-static",
-        action="store_true",
-        help="run under torchrun: each process is one rank of one process group kept for the session",
-    )
-    group.addoption(
         "--mesh-timeout",
         type=_positive_float,
         default=60.0,
@@ -108,6 +125,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> Generator[None, None, None]:
+    """Define --multigpu-static / --multigpu-dynamic once the conftests have, unless one did."""
+    result = yield
+    owned = False
+    for flag, dest, text in _SUITE_OPTIONS:
+        if not _defined(parser, flag, dest):
+            parser.getgroup("meshsim").addoption(flag, action="store_true", default=False, help=text)
+            owned = True
+    early_config.stash[_OWNS_SUITE_OPTIONS] = owned
+    return result
+
+
+def _defined(parser: pytest.Parser, flag: str, dest: str) -> bool:
+    """Whether some plugin or conftest already defines ``flag``."""
+    try:
+        namespace = parser.parse_known_args([flag])
+    except pytest.UsageError:
+        return True  # defined, with an argument
+    return getattr(namespace, dest, None) is not None
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -125,31 +167,57 @@ def pytest_configure(config: pytest.Config) -> None:
         config.getoption("mesh_timeout"),
     )
     config.stash[_STATE] = state
-    if config.getoption("multigpu_static"):
+    state.owns_suite_options = config.stash.get(_OWNS_SUITE_OPTIONS, False)
+    if state.owns_suite_options:
+        config.addinivalue_line(
+            "markers", "multigpu_dynamic: a distributed test that starts its own processes"
+        )
+    static = bool(config.getoption("multigpu_static", default=False))
+    dynamic = bool(config.getoption("multigpu_dynamic", default=False))
+    if static and dynamic:
+        raise pytest.UsageError("--multigpu-static and --multigpu-dynamic select different suites: give one")
+    state.suite = "static" if static else "dynamic" if dynamic else None
+    if static:
         _configure_static(config, state)
 
 
 def _configure_static(config: pytest.Config, state: _State) -> None:
-    from meshsim._modes import StaticSession, static_environment
+    from meshsim._modes import static_environment
 
+    env = static_environment()
+    if env is None:
+        _configure_simulated(config, state)
+        return
     if _xdist_workers(config):
         raise pytest.UsageError(
             "--multigpu-static is incompatible with -n (pytest-xdist): torchrun already starts "
             "one pytest per rank; drop -n"
         )
-    env = static_environment()
-    if env is None:
+    _configure_torchrun(config, state, env)
+
+
+def _configure_simulated(config: pytest.Config, state: _State) -> None:
+    """--multigpu-static without torchrun: one simulated job for the session (see meshsim._simjob)."""
+    from meshsim._simjob import SimulatedJob
+
+    if state.backend == "spawn":
         raise pytest.UsageError(
-            "--multigpu-static runs one rank per process under torchrun, but RANK, WORLD_SIZE "
-            "and LOCAL_RANK are not set. Run it as: torchrun --nproc_per_node=4 -m pytest "
-            "--multigpu-static ...; or drop --multigpu-static to simulate the ranks in threads."
+            "--multigpu-static --mesh-backend=spawn is not supported yet: use --mesh-backend=sim or gloo, "
+            "or run it under torchrun"
         )
+    job = SimulatedJob(config, state.world_size, state.backend, state.timeout)
+    job.start()
+    state.job = job
+
+
+def _configure_torchrun(config: pytest.Config, state: _State, env: dict[str, int]) -> None:
+    from meshsim._modes import StaticSession
+
     xml = getattr(config.option, "xmlpath", None)
     if xml and "{rank}" in xml:
         config.option.xmlpath = xml.replace("{rank}", str(env["RANK"]))
-    session = StaticSession(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], state.timeout)
-    session.start()
-    state.static = session
+    # joined in pytest_sessionstart, after the conftests' pytest_configure (a manager's own init)
+    state.static = StaticSession(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], state.timeout)
 
 
 def _xdist_workers(config: pytest.Config) -> bool:
@@ -157,12 +225,15 @@ def _xdist_workers(config: pytest.Config) -> bool:
     return bool(workers) and workers != 0
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under --multigpu-static only rank 0 reports: other ranks drop the terminal reporter."""
+    """Under torchrun, join the job; only rank 0 reports: other ranks drop the terminal reporter."""
     config = session.config
     state = config.stash.get(_STATE, None)
-    if state is None or state.static is None or state.static.rank == 0:
+    if state is None or state.static is None:
+        return
+    state.static.start()
+    if state.static.rank == 0:
         return
     if config.getoption("mesh_report") == "rank0":
         reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -170,8 +241,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             config.pluginmanager.unregister(reporter)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
+    if state is not None and state.job is not None:
+        job, state.job = state.job, None
+        job.stop()
     if state is not None and state.static is not None:
         state.static.stop()
         state.static = None
@@ -224,25 +299,116 @@ def _size(item: pytest.Item, spec: WorldSpec) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    static = config.stash[_STATE].static
-    if static is None:
-        return
+    state = config.stash[_STATE]
     for item in items:
+        reason = _not_selected(state, item)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _not_selected(state: _State, item: pytest.Item) -> str | None:
+    """Why ``item`` is not in the suite --multigpu-static / --multigpu-dynamic selects, if it is not."""
+    if state.suite == "static":
         spec = _spec(item)
         if spec is None:
-            reason = "--multigpu-static runs only distributed tests (marked world or multigpu_static)"
-            item.add_marker(pytest.mark.skip(reason=reason))
-            continue
+            return "--multigpu-static runs only distributed tests (marked world or multigpu_static)"
+        if item.get_closest_marker("world") is None:
+            return None  # multigpu_static: runs on whatever world the job has
         size = _size(item, spec)
-        if size != static.world_size:
-            reason = f"needs a world of {size} ranks; torchrun started {static.world_size} (WORLD_SIZE)"
-            item.add_marker(pytest.mark.skip(reason=reason))
+        if state.static is not None and size != state.static.world_size:
+            return f"needs a world of {size} ranks; torchrun started {state.static.world_size} (WORLD_SIZE)"
+        return None
+    if not state.owns_suite_options:
+        return None  # the conftest that defines the options selects
+    dynamic = item.get_closest_marker("multigpu_dynamic") is not None
+    if state.suite == "dynamic" and not dynamic:
+        return "--multigpu-dynamic runs only multigpu_dynamic tests"
+    if state.suite is None and dynamic:
+        return "a multigpu_dynamic test starts its own processes: run it with --multigpu-dynamic"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    """Note the distributed test being set up and run, for the fixtures it needs on its ranks."""
+    state = item.config.stash.get(_STATE, None)
+    if state is None:
+        return (yield)
+    state.item = item if _spec(item) is not None else None
+    try:
+        return (yield)
+    finally:
+        state.item = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(
+    fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+) -> Generator[None, object, object]:
+    """Set up the user fixtures a distributed test's ranks need on the ranks themselves.
+
+    A fixture from the user's own code (conftest files, their plugins, test
+    modules) that a distributed test requests runs on every rank, each building its
+    own value, when it is wider than function scope (what a torchrun process sets up
+    once: managers, meshes, groups) or depends on a per-rank value (``rank``,
+    ``distributed_mesh``, another such fixture). pytest keeps a placeholder that each
+    rank resolves; its scope ends on the ranks too. Other fixtures run once, here.
+    """
+    state = request.config.stash.get(_STATE, None)
+    placeholder = _on_ranks(state, fixturedef, request) if state is not None else None
+    if placeholder is None:
+        return (yield)
+    original = fixturedef.func
+    # pytest calls fixturedef.func and caches what it returns for the fixture's scope
+    # (FixtureDef.func is an attribute in pytest 8 and 9, typed Final)
+    fixturedef.func = lambda **_: placeholder  # type: ignore[misc]
+    try:
+        return (yield)
+    finally:
+        fixturedef.func = original  # type: ignore[misc]
+
+
+def _on_ranks(state: _State, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
+    """The placeholder for a fixture that runs on the ranks, or None for one that runs here."""
+    from meshsim._fixtures import PerRank, recipe
+    from meshsim._simjob import is_user_code
+
+    item = state.item
+    if item is None or state.static is not None:
+        return None
+    spec = _spec(item)
+    if spec is None or (spec.backend or state.backend) == "spawn":
+        return None  # spawned ranks get pickled arguments: fixtures run here
+    if not is_user_code(_source_file(fixturedef.func), request.config.rootpath):
+        return None
+    values = {name: request.getfixturevalue(name) for name in fixturedef.argnames}
+    if fixturedef.scope == "function" and not any(isinstance(v, PerRank) for v in values.values()):
+        return None
+    func = fixturedef.func
+    instance = getattr(request, "instance", None)
+    if instance is not None and inspect.isfunction(func) and "." in func.__qualname__:
+        func = func.__get__(instance)  # a fixture defined in a test class
+    key = object()  # this instance of the fixture (a parametrized one has several)
+    job, world = state.job, state.job.world() if state.job is not None else 0
+    if job is not None and item.get_closest_marker("world") is None:
+        request.addfinalizer(lambda: job.finish_fixture(key, world))
+    return recipe(fixturedef.argname, func, values, fixturedef.scope, key)
+
+
+def _source_file(func: Any) -> str | None:
+    try:
+        return inspect.getsourcefile(func)
+    except TypeError:
+        return None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = _spec(pyfuncitem)
     if spec is None:
+        _refuse_per_rank_values(pyfuncitem)
         return None
     state = pyfuncitem.config.stash[_STATE]
     test = pyfuncitem.obj
@@ -250,6 +416,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     funcargs = {name: pyfuncitem.funcargs[name] for name in names if name in pyfuncitem.funcargs}
     if state.static is not None:
         state.static.run(test, funcargs)
+        return True
+    if state.job is not None and pyfuncitem.get_closest_marker("world") is None:
+        from meshsim._errors import RankError
+
+        try:
+            state.job.run_test(test, funcargs)
+        except RankError as error:
+            raise _decided(error) from None
         return True
     backend = spec.backend or state.backend
     size = _size(pyfuncitem, spec)
@@ -267,6 +441,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     except RankError as error:
         raise _decided(error) from None
     return True
+
+
+def _refuse_per_rank_values(item: pytest.Function) -> None:
+    """A test that runs once cannot take a fixture whose value lives on ranks (set up for an earlier test)."""
+    from meshsim._fixtures import PerRank
+
+    names = [name for name, value in item.funcargs.items() if isinstance(value, PerRank)]
+    if names:
+        pytest.fail(
+            f"fixture{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} run on the ranks of "
+            "distributed tests (set up by an earlier one, in a wider scope); this test runs once, "
+            "outside any rank. Mark it @pytest.mark.world(n) or @pytest.mark.multigpu_static, or give "
+            "the fixture function scope.",
+            pytrace=False,
+        )
 
 
 def _decided(error: BaseException) -> BaseException:
@@ -385,4 +574,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return []
     if state.static is not None:
         return [f"meshsim: --multigpu-static, rank {state.static.rank} of {state.static.world_size}"]
+    if state.job is not None:
+        return [
+            f"meshsim: --multigpu-static on {state.world_size} simulated ranks (--mesh-backend="
+            f"{state.backend}): one job for the session, set up as torchrun would"
+        ]
     return [f"meshsim: --mesh-backend={state.backend}, multigpu_static world size {state.world_size}"]

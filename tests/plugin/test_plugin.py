@@ -185,22 +185,6 @@ def test_bad_options(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["*--world-size must be a positive integer, got '0'*"])
 
 
-def test_static_mode_without_torchrun_is_a_usage_error(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    pytester.makepyfile("def test_x():\n    pass\n")
-    result = pytester.runpytest_subprocess("--multigpu-static")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(
-        [
-            "*--multigpu-static runs one rank per process under torchrun, but RANK, WORLD_SIZE and "
-            "LOCAL_RANK are not set.*"
-        ]
-    )
-
-
 def test_static_mode_with_xdist_is_a_usage_error(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
