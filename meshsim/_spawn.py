@@ -1,8 +1,9 @@
 """The spawn mode: each rank of a test is a fresh process (gloo on CPU, NCCL with enough GPUs).
 
 The parent (the pytest process) owns the rendezvous: it starts a TCPStore server
-on an OS-assigned port, under a file lock shared by every pytest-xdist worker
-on the machine, so concurrent workers never race for a port. Children connect
+on an OS-assigned port of 127.0.0.1, under a file lock shared by every pytest-xdist
+worker on the machine, so concurrent workers never race for a port. Children
+point gloo and NCCL at the loopback interface (:mod:`meshsim._loopback`), connect
 as clients, run the test body as their rank, and send the outcome back on a
 pipe. A child that raises, dies or outlives the timeout fails the test with its
 rank; the others are then stopped. Children die with their parent
@@ -65,17 +66,11 @@ def run_in_processes(
 ) -> None:
     """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails."""
     from filelock import FileLock
-    from torch._C._distributed_c10d import TCPStore
+
+    from meshsim._loopback import loopback_store
 
     with FileLock(_LOCK_PATH, timeout=timeout):
-        store = TCPStore(
-            "127.0.0.1",
-            0,
-            world_size + 1,
-            True,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
+        store = loopback_store(world_size + 1, timeout=timeout)
     context = multiprocessing.get_context("spawn")
     children, pipes = [], []
     for rank in range(world_size):
@@ -203,10 +198,14 @@ def _run_rank(
     from torch._C._distributed_c10d import TCPStore
 
     from meshsim._fixtures import RankFixtures, resolve
+    from meshsim._loopback import LOOPBACK_HOST, loopback_environment
     from meshsim._recorder import DispatchRecorder
 
+    # Every gloo (or NCCL) group of this rank, the test's own included, listens on
+    # loopback. Not undone: the process is this rank's alone and ends with it.
+    os.environ.update(loopback_environment(nccl=True))
     delta = datetime.timedelta(seconds=timeout)
-    store = TCPStore("127.0.0.1", port, world_size + 1, False, timeout=delta)
+    store = TCPStore(LOOPBACK_HOST, port, world_size + 1, False, timeout=delta)
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)

@@ -41,6 +41,7 @@ from meshsim._errors import (
     WorldAborted,
     format_user_traceback,
 )
+from meshsim._loopback import loopback_environment
 from meshsim._recorder import DispatchRecorder
 from meshsim._rendezvous import Rendezvous
 from meshsim._scheduler import SAFETY_POLL, Scheduler
@@ -82,7 +83,8 @@ def run(
         timeout: seconds the world may go without progress while some rank waits
             (a rank stuck in its own code while others wait for it).
         backend: ``"sim"`` (in-memory, checked, the default) or ``"gloo"`` (a real
-            ``ProcessGroupGloo`` per rank over 127.0.0.1, for fidelity checks). On
+            ``ProcessGroupGloo`` per rank over loopback, for fidelity checks: while the
+            world runs, ``GLOO_SOCKET_IFNAME`` names the loopback interface). On
             gloo, groups made without a timeout get ``timeout``; when a rank fails,
             the locals of its traceback's frames are cleared (the text is kept), so
             that its groups close and peers blocked on it are released.
@@ -252,6 +254,10 @@ class _World:
             _patches.uninstall()
 
     def _start(self, caller: ProcessState) -> None:
+        if self.backend == "gloo":
+            # Every gloo group the ranks make, the user's own included, listens on
+            # loopback; _run puts the caller's environment, captured in ``caller``, back.
+            os.environ.update(loopback_environment(nccl=False))
         self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
         self.group_store = _torch_private.default_group_store(self.store)
 
