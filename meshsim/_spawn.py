@@ -1,8 +1,8 @@
 """The spawn mode: each rank of a test is a fresh process (gloo on CPU, NCCL with enough GPUs).
 
 The parent (the pytest process) owns the rendezvous: it starts a TCPStore server
-on an OS-assigned port of 127.0.0.1, under a file lock shared by every pytest-xdist
-worker on the machine, so concurrent workers never race for a port. Children
+on a socket it binds to 127.0.0.1 port 0, so the OS picks a free port and
+concurrent pytest-xdist workers never race for one. Children
 point gloo and NCCL at the loopback interface (:mod:`meshsim._loopback`), connect
 as clients, run the test body as their rank, and send the outcome back on a
 pipe. A child that raises, dies or outlives the timeout fails the test with its
@@ -21,7 +21,6 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,6 @@ from meshsim._errors import RankError, format_user_traceback
 
 __all__ = ["TestTarget", "run_in_processes"]
 
-_LOCK_PATH = os.path.join(tempfile.gettempdir(), "meshsim-rendezvous.lock")
 _GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
 
 
@@ -65,12 +63,9 @@ def run_in_processes(
     target: TestTarget, funcargs: dict[str, Any], world_size: int, *, timeout: float
 ) -> None:
     """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails."""
-    from filelock import FileLock
-
     from meshsim._loopback import loopback_store
 
-    with FileLock(_LOCK_PATH, timeout=timeout):
-        store = loopback_store(world_size + 1, timeout=timeout)
+    store = loopback_store(world_size + 1, timeout=timeout)
     context = multiprocessing.get_context("spawn")
     children, pipes = [], []
     for rank in range(world_size):
