@@ -272,6 +272,16 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
         _local.recorder = self._outer
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Stay out of torch.compile's tracing, and see the compiled code's collectives when it runs.
+
+        A mode that answers False here makes dynamo refuse to compile anything
+        ("non-infra torch dispatch mode present") while it is entered, and this mode
+        is entered in every gloo, spawned and torchrun rank. torch 2.11-2.15 consult it.
+        """
+        return True
+
     def restart_numbering(self) -> None:
         """Count every group's calls from 0 again (a session's next test)."""
         self._seq.clear()
