@@ -150,6 +150,36 @@ def _defined(parser: pytest.Parser, flag: str, dest: str) -> bool:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """--multigpu-static --mesh-backend=spawn, no torchrun: start a pytest per rank, as torchrun would."""
+    from meshsim._modes import static_environment
+
+    if (
+        not config.getoption("multigpu_static", default=False)
+        or config.getoption("mesh_backend") != "spawn"
+        or static_environment() is not None
+        or config.option.help
+        or config.option.version
+    ):
+        return None
+    if _xdist_workers(config):
+        raise pytest.UsageError(
+            "--multigpu-static --mesh-backend=spawn starts one pytest process per rank; "
+            "it is incompatible with -n (pytest-xdist): drop -n"
+        )
+    from meshsim._launch import launch
+
+    size = config.getoption("world_size")
+    print(
+        f"meshsim: --multigpu-static --mesh-backend=spawn: {size} pytest processes, one per rank, "
+        "started as torchrun would start them",
+        flush=True,
+    )
+    args = config.invocation_params.args
+    return launch(args, size, timeout=config.getoption("mesh_timeout"), cwd=str(config.invocation_params.dir))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -200,11 +230,6 @@ def _configure_simulated(config: pytest.Config, state: _State) -> None:
     """--multigpu-static without torchrun: one simulated job for the session (see meshsim._simjob)."""
     from meshsim._simjob import SimulatedJob
 
-    if state.backend == "spawn":
-        raise pytest.UsageError(
-            "--multigpu-static --mesh-backend=spawn is not supported yet: use --mesh-backend=sim or gloo, "
-            "or run it under torchrun"
-        )
     job = SimulatedJob(config, state.world_size, state.backend, state.timeout)
     job.start()
     state.job = job

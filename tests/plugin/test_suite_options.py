@@ -34,6 +34,19 @@ def test_a_conftest_that_defines_the_options_runs_on_simulated_ranks(tree: pytes
     )
 
 
+def test_with_spawn_the_tree_runs_as_a_torchrun_job_would(tree: pytest.Pytester) -> None:
+    result = tree.runpytest_subprocess("--multigpu-static", "--mesh-backend=spawn", "--world-size=2", "-rs")
+    assert result.ret == 0
+    result.assert_outcomes(passed=3, skipped=2)  # rank 0's report
+    result.stdout.fnmatch_lines(
+        [
+            "meshsim: --multigpu-static --mesh-backend=spawn: 2 pytest processes, one per rank*",
+            "meshsim: --multigpu-static, rank 0 of 2",
+            "*rank 1 has no data (rank 1)",
+        ]
+    )
+
+
 def test_without_the_flag_the_conftest_skips_its_static_tests(tree: pytest.Pytester) -> None:
     result = tree.runpytest_subprocess("-rs")
     result.assert_outcomes(passed=1, skipped=4)
