@@ -792,5 +792,5 @@ def _deliver(message: Message, recv: PostedRecv) -> str | None:
         if sent.dtype != into.dtype or sent.numel() != into.numel():
             return f"sent {_desc(sent)}, receiving into {_desc(into)}"
     for sent, into in zip(message.tensors, recv.tensors):
-        into.detach().copy_(sent.reshape(into.shape))
+        _torch_private.write(into.detach(), sent.reshape(into.shape))
     return None

@@ -17,7 +17,7 @@ import torch
 
 from meshsim import _movement as mv
 from meshsim._rendezvous import Call
-from meshsim._torch_private import copy_to_all
+from meshsim._torch_private import copy_to_all, write
 
 Tensor = torch.Tensor
 
@@ -53,7 +53,7 @@ def _no_grad(*indices: int) -> Callable[[_Execute], _Execute]:
 
 def _write(out: Tensor, value: Tensor) -> None:
     # Under no_grad a plain copy_ is invisible to autograd; reshape only when needed.
-    out.copy_(value if value.shape == out.shape else value.reshape(out.shape))
+    write(out, value if value.shape == out.shape else value.reshape(out.shape))
 
 
 def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "as_process_group",
     "completed_work",
     "copy_to_all",
+    "write",
     "install_default_group",
     "install_thread_worlds",
     "resolve_group",
@@ -57,13 +58,36 @@ def copy_to_all(outs: Sequence[torch.Tensor], value: torch.Tensor) -> None:
     """``out.copy_(value)`` for every tensor of ``outs``: all of ``value``'s shape, dtype and device.
 
     ``torch._foreach_copy_`` does it in one dispatch, about half the cost of a loop
-    of ``copy_`` from four tensors up (it runs once per rank per collective).
+    of ``copy_`` from four tensors up (it runs once per rank per collective). As
+    :func:`write`, it leaves the outputs' version counters as they were.
     """
+    outs = outs if isinstance(outs, list) else list(outs)
+    versions = tuple(out._version for out in outs)
     if _FOREACH_COPY is None or len(outs) < 2:
         for out in outs:
             out.copy_(value)
-        return
-    _FOREACH_COPY(outs if isinstance(outs, list) else list(outs), [value] * len(outs))
+    else:
+        _FOREACH_COPY(outs, [value] * len(outs))
+    _SET_VERSIONS(tuple(outs), versions)
+
+
+def write(out: torch.Tensor, value: torch.Tensor) -> None:
+    """``out.copy_(value)``, as a process group writes it: the version counter does not move.
+
+    gloo and NCCL write a collective's output in C++, under autograd's radar; a
+    Python ``copy_`` bumps the counter, and a view of a tensor that an in-place
+    collective wrote (``torch.chunk(x, n)[r]`` with ``dist.broadcast(x.detach())``)
+    would then fail autograd's in-place check in its next use, where on gloo it does
+    not. ``torch._C._autograd._unsafe_set_version_counter`` takes tuples in 2.11-2.15.
+    """
+    version = out._version
+    out.copy_(value)
+    _SET_VERSIONS((out,), (version,))
+
+
+_SET_VERSIONS: Callable[[tuple[torch.Tensor, ...], tuple[int, ...]], None] = (
+    torch._C._autograd._unsafe_set_version_counter  # type: ignore[attr-defined]
+)
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -324,20 +348,25 @@ def clear_dtensor_caches() -> None:
         clear_planner()
 
 
-_BACKEND_TABLES = (
-    "backend_list",
-    "backend_capability",
-    "backend_type_map",
-    "default_device_backend_map",
-    "_plugins",
-)
+_BACKEND_TABLES = ("backend_capability", "backend_type_map", "default_device_backend_map", "_plugins")
 
 
 def register_backend(name: str, creator: Callable[..., Any]) -> dict[str, Any]:
-    """Register a c10d backend plugin; returns what :func:`unregister_backend` needs."""
+    """Register a c10d backend plugin; returns what :func:`unregister_backend` needs.
+
+    What it saves is only what this registration changes (the entries for ``name`` and
+    the device defaults it took), so that undoing it keeps what others registered
+    meanwhile: a module imported inside a world may register a backend of its own
+    (DTensor's first use imports torch's ``fake`` process group), and Python keeps
+    the module, which will not register it again.
+    """
     backend = dist.Backend
-    saved: dict[str, Any] = {t: _copy(getattr(backend, t)) for t in _BACKEND_TABLES}
-    saved["had_attr"] = hasattr(backend, name.upper())
+    lower, upper = name.lower(), name.upper()
+    keys = {"backend_capability": lower, "backend_type_map": lower, "_plugins": upper}
+    saved: dict[str, Any] = {t: (k, getattr(backend, t).get(k, _ABSENT)) for t, k in keys.items()}
+    saved["devices"] = dict(backend.default_device_backend_map)
+    saved["listed"] = lower in backend.backend_list
+    saved["had_attr"] = hasattr(backend, upper)
     saved["name"] = name
     backend.register_backend(name, creator, extended_api=True, devices=["cpu", "cuda"])
     return saved
@@ -345,19 +374,28 @@ def register_backend(name: str, creator: Callable[..., Any]) -> dict[str, Any]:
 
 def unregister_backend(saved: dict[str, Any]) -> None:
     backend = dist.Backend
-    for table in _BACKEND_TABLES:
-        current = getattr(backend, table)
-        current.clear()  # in place: other modules may hold these objects
-        if isinstance(current, list):
-            current.extend(saved[table])
+    lower = saved["name"].lower()
+    for table in ("backend_capability", "backend_type_map", "_plugins"):
+        key, previous = saved[table]
+        current = getattr(backend, table)  # changed in place: other modules may hold these objects
+        if previous is _ABSENT:
+            current.pop(key, None)
         else:
-            current.update(saved[table])
-    if not saved["had_attr"]:
+            current[key] = previous
+    devices = backend.default_device_backend_map
+    for device, value in list(devices.items()):
+        if value == lower:  # a default this registration took, unless someone changed it since
+            if device in saved["devices"]:
+                devices[device] = saved["devices"][device]
+            else:
+                del devices[device]
+    if not saved["listed"] and lower in backend.backend_list:
+        backend.backend_list.remove(lower)
+    if not saved["had_attr"] and hasattr(backend, saved["name"].upper()):
         delattr(backend, saved["name"].upper())
 
 
-def _copy(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else dict(value)
+_ABSENT = object()
 
 
 _BACKEND_CONFIGS: dict[str, str] = {}
