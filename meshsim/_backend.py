@@ -13,6 +13,7 @@ Receives are the exception: ``irecv`` returns a pending Work, so that
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -238,6 +239,31 @@ def _reduce_problem(op: str, dtype: torch.dtype) -> str | None:
         return problem
 
 
+_Method = Callable[..., dist.Work]
+
+
+def _observable(*names: str) -> Callable[[_Method], _Method]:
+    """Let dispatch modes see the call as the c10d op gloo and NCCL issue (see ``dispatcher_twin``).
+
+    ``names``: the C++ ``ProcessGroup`` methods that issue the op, newest name first.
+    Without a dispatch mode in the calling thread (the common case) the method runs
+    as it is; with one, it runs beneath the modes, from the op they see.
+    """
+
+    def decorate(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def observable(self: SimProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+            if _torch_private.dispatch_modes_active():
+                run = functools.partial(method, self, *args, **kwargs)
+                work: dist.Work = _torch_private.through_dispatcher(self._twin(), names, args, kwargs, run)
+                return work
+            return method(self, *args, **kwargs)
+
+        return observable
+
+    return decorate
+
+
 class SimProcessGroup(dist.ProcessGroup):
     """One rank's handle on one simulated process group."""
 
@@ -254,6 +280,14 @@ class SimProcessGroup(dist.ProcessGroup):
         # c10d makes a group in the rank thread that uses it: that thread's open
         # ledgers, held here, spare a thread-local lookup on every collective.
         self._ledgers = _ledger.open_ledgers()
+        self._dispatcher_twin: Any = None  # made when a dispatch mode first watches a call
+
+    def _twin(self) -> Any:
+        if self._dispatcher_twin is None:
+            self._dispatcher_twin = _torch_private.dispatcher_twin(
+                self._group_rank, self._group.size, self._group.name, BACKEND_NAME
+            )
+        return self._dispatcher_twin
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -352,6 +386,14 @@ class SimProcessGroup(dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------
 
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        if _torch_private.dispatch_modes_active():  # see _observable, inlined on the hot path
+            run = functools.partial(self._allreduce, tensors, opts)
+            args = (tensors, opts)
+            work: dist.Work = _torch_private.through_dispatcher(self._twin(), ("allreduce",), args, {}, run)
+            return work
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors: Any, opts: Any) -> dist.Work:
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         if len(tensors) != 1:
             return self._all_reduce(tensors, opts, "all_reduce_coalesced")
@@ -383,6 +425,9 @@ class SimProcessGroup(dist.ProcessGroup):
             return _DONE  # see _collective
         return completed_work(tensors)
 
+    @_observable(
+        "allreduce_coalesced",
+    )
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
 
@@ -402,6 +447,9 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable(
+        "reduce",
+    )
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = list(tensors)
         op, factor = _reduce_op(opts)
@@ -423,6 +471,9 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable(
+        "reduce_scatter",
+    )
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
     ) -> dist.Work:
@@ -445,11 +496,13 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable("reduce_scatter_single", "_reduce_scatter_base")
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
         return self._reduce_scatter_tensor([output], [input], opts, "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
+    @_observable("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
     def reduce_scatter_single_coalesced(
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
@@ -479,12 +532,18 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- gathers ------------------------------------------------------------------
 
+    @_observable(
+        "allgather",
+    )
     def allgather(  # type: ignore[override]
         self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
         output_lists, inputs = [list(x) for x in output_lists], list(inputs)
         return self._all_gather(output_lists, inputs, "all_gather", opts)
 
+    @_observable(
+        "allgather_coalesced",
+    )
     def allgather_coalesced(
         self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
@@ -511,11 +570,13 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable("all_gather_single", "_allgather_base")
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:
         return self._all_gather_into_tensor([output], [input], "all_gather_into_tensor", opts)
 
     _allgather_base = all_gather_single
 
+    @_observable("all_gather_single_coalesced", "allgather_into_tensor_coalesced")
     def all_gather_single_coalesced(
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
     ) -> dist.Work:
@@ -540,6 +601,9 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable(
+        "gather",
+    )
     def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "gather")
@@ -560,6 +624,9 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable(
+        "scatter",
+    )
     def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "scatter")
@@ -580,6 +647,9 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable(
+        "broadcast",
+    )
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         root = opts.rootRank if opts is not None else 0
@@ -601,6 +671,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- all to all -----------------------------------------------------------------
 
+    @_observable("all_to_all_single", "alltoall_base")
     def all_to_all_single(
         self,
         output: Tensor,
@@ -629,6 +700,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
+    @_observable(
+        "alltoall",
+    )
     def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> dist.Work:
         outputs, inputs = list(outputs), list(inputs)
         for name, lst in (("output", outputs), ("input", inputs)):
@@ -650,6 +724,9 @@ class SimProcessGroup(dist.ProcessGroup):
             opts=opts,
         )
 
+    @_observable(
+        "barrier",
+    )
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._collective(
             op="barrier",
@@ -664,6 +741,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- point to point -------------------------------------------------------------
 
+    @_observable(
+        "send",
+    )
     def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         tensors = list(tensors)
         self._check_peer(dstRank, "send")
@@ -679,10 +759,16 @@ class SimProcessGroup(dist.ProcessGroup):
             self._group.mailbox.send(message, scheduler)
         return completed_work(tensors)
 
+    @_observable(
+        "recv",
+    )
     def recv(self, tensors: list[Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         self._check_peer(srcRank, "recv")
         return self._recv(list(tensors), srcRank, tag)
 
+    @_observable(
+        "recv_anysource",
+    )
     def recv_anysource(self, tensors: list[Tensor], tag: int = 0) -> dist.Work:
         return self._recv(list(tensors), None, tag)
 

@@ -1,15 +1,28 @@
-"""Per-rank state of projects meshsim's users run, declared when (and only when) those projects load.
+"""Per-rank state of the code ranks run, declared when (and only when) that code loads.
 
-PhysicsNeMo's ``DistributedManager`` is a Borg: every instance shares the
-class-level ``_shared_state`` dict that holds ``rank``, ``world_size``,
-``local_rank``, ``device``, meshes and groups. A torchrun process has one; each
-simulated rank gets its own, starting empty as in a newly started process. Its
-``initialize()`` then runs inside each rank as under torchrun (the rank's
-``init_process_group`` adopts its group, see :mod:`meshsim._patches`).
+What a process owns once and a test may change inside a rank is per rank
+(:mod:`meshsim._perrank`), swapped at every hand-over:
 
-A project is never imported for this: a declaration is made when its module is
-already loaded as a world starts, or as the module finishes loading while a
-world runs (an import hook, installed only while worlds run).
+- ``warnings``: the filters, ``showwarning`` and its implementation, the default
+  action and the once-registry, so that ``warnings.catch_warnings`` and
+  ``assertWarns`` in a rank see that rank's warnings only;
+- ``torch.nn.modules.module``: the global module hooks (``register_module_forward_hook``
+  and kin, which ``CommDebugMode``'s module tracker uses), so a rank's hooks see
+  its own modules;
+- torch.distributed flags that context managers set in a rank
+  (``use_min_cost_redistribution_plan``) and DTensor's RNG tracker, so that ranks
+  do not restore each other's saved values and the caller's value is back after
+  the world (``implicit_replication`` is per thread in torch itself);
+- PhysicsNeMo's ``DistributedManager``, a Borg whose class-level ``_shared_state``
+  holds ``rank``, ``world_size``, ``local_rank``, ``device``, meshes and groups:
+  each rank starts empty, as a newly started process would. Its ``initialize()``
+  then runs inside each rank as under torchrun (the rank's ``init_process_group``
+  adopts its group, see :mod:`meshsim._patches`).
+
+A module is never imported for this: a declaration is made when it is already
+loaded as a world starts, or as it finishes loading while a world runs (an import
+hook, installed only while worlds run). Ranks start from shallow copies of the
+caller's values (as after a fork; hook tables hold functions bound to live objects).
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from meshsim._perrank import declared, per_rank
+from meshsim._perrank import declare, declared, per_rank
 
 __all__ = ["ImportHook", "declare_loaded"]
 
@@ -33,18 +46,70 @@ def _physicsnemo_manager(module: ModuleType) -> None:
             per_rank(manager, "_shared_state", fresh=dict)
 
 
+def _warnings(module: ModuleType) -> None:
+    # The C part of warnings reads these from the module on every warning (3.10-3.13), and
+    # caches per-location decisions under a version of the filters that must move when
+    # the filters do: catch_warnings bumps it on entry and exit, so does a swap here.
+    mutated = getattr(module, "_filters_mutated", None) or getattr(module, "_filters_mutated_lock_held", None)
+    for name in ("filters", "onceregistry"):
+        if hasattr(module, name):
+            declare(module, name, after_set=mutated)
+    for name in ("showwarning", "_showwarnmsg_impl", "defaultaction"):
+        if hasattr(module, name):
+            declare(module, name)
+
+
+_MODULE_HOOKS = (
+    "_global_buffer_registration_hooks",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_is_full_backward_hook",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+
+
+def _module_hooks(module: ModuleType) -> None:
+    for name in _MODULE_HOOKS:  # checked in torch 2.11-2.15
+        if hasattr(module, name):
+            declare(module, name)
+
+
+def _redistribute_flags(module: ModuleType) -> None:
+    for name in ("_FORCE_MIN_COST_REDISTRIBUTION_PLAN", "_DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION"):
+        if hasattr(module, name):
+            declare(module, name)
+
+
+def _dtensor_rng(module: ModuleType) -> None:
+    if hasattr(module, "_rng_tracker"):
+        declare(module, "_rng_tracker", duplicate=_same)  # None until a rank makes its own
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
 # module name -> what to declare once it has loaded
 _INTEGRATIONS: dict[str, Callable[[ModuleType], None]] = {
+    "warnings": _warnings,
+    "torch.nn.modules.module": _module_hooks,
+    "torch.distributed.tensor._redistribute": _redistribute_flags,
+    "torch.distributed.tensor._random": _dtensor_rng,
     "physicsnemo.distributed.manager": _physicsnemo_manager,
 }
 
 
 def declare_loaded() -> None:
     """Declare the per-rank state of every integrated module already imported."""
-    for name, declare in _INTEGRATIONS.items():
+    for name, declare_state in _INTEGRATIONS.items():
         module = sys.modules.get(name)
         if module is not None:
-            declare(module)
+            declare_state(module)
 
 
 class ImportHook(importlib.abc.MetaPathFinder):
@@ -57,8 +122,8 @@ class ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        declare = _INTEGRATIONS.get(fullname)
-        if declare is None:
+        declare_state = _INTEGRATIONS.get(fullname)
+        if declare_state is None:
             return None
         spec = _find_with_others(self, fullname, path, target)
         loader: Any = spec.loader if spec is not None else None
@@ -68,7 +133,7 @@ class ImportHook(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             execute(module)
-            declare(module)
+            declare_state(module)
 
         loader.exec_module = exec_module  # this spec's own loader object
         return spec

@@ -30,18 +30,32 @@ _ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
 
 
 class _Slot:
-    """One per-rank value: ``owner.name``, or the whole ``owner.__dict__`` when ``name`` is None."""
+    """One per-rank value: ``owner.name``, or the whole ``owner.__dict__`` when ``name`` is None.
 
-    __slots__ = ("fresh", "label", "name", "owner", "pristine")
+    ``fresh`` builds a rank's starting value; without it a rank starts from
+    ``duplicate(caller's value)``. ``after_set`` runs when a swap changed the value
+    (what else must learn of it: ``warnings`` caches decisions per filter list).
+    """
 
-    def __init__(self, owner: Any, name: str | None, fresh: Callable[[], Any] | None) -> None:
+    __slots__ = ("after_set", "duplicate", "fresh", "label", "name", "owner", "pristine")
+
+    def __init__(
+        self,
+        owner: Any,
+        name: str | None,
+        fresh: Callable[[], Any] | None,
+        duplicate: Callable[[Any], Any] | None = None,
+        after_set: Callable[[], None] | None = None,
+    ) -> None:
         self.owner = owner
         self.name = name
         self.fresh = fresh
         self.label = _label(owner, name)
+        self.duplicate = duplicate or copy.deepcopy
+        self.after_set = after_set
         # What a rank starts from when the slot joins a world that is already running
         # (the caller's value is unknown then): the value at declaration, copied.
-        self.pristine = None if fresh is not None else _copy(self.get(), self.label)
+        self.pristine = None if fresh is not None else self.copy(self.get())
 
     def get(self) -> Any:
         if self.name is None:
@@ -60,31 +74,32 @@ class _Slot:
             delattr(self.owner, self.name)
         else:
             setattr(self.owner, self.name, value)
+        if self.after_set is not None:
+            self.after_set()
 
     def start(self, caller: Any) -> Any:
-        """A rank's starting value: ``fresh()``, or a deep copy of the caller's (as after a fork)."""
+        """A rank's starting value: ``fresh()``, or a copy of the caller's (as after a fork)."""
         if self.fresh is not None:
             return self.fresh()
-        return _copy(caller, self.label)
+        return self.copy(caller)
 
     def joined_late(self) -> Any:
         """The starting value of a rank (or the caller) when the slot joins a running world."""
         if self.fresh is not None:
             return self.fresh()
-        return _copy(self.pristine, self.label)
+        return self.copy(self.pristine)
 
-
-def _copy(value: Any, label: str) -> Any:
-    if value is _ABSENT:
-        return value
-    try:
-        return copy.deepcopy(value)
-    except Exception as exc:
-        raise TypeError(
-            f"meshsim cannot give each rank its own copy of {label} ({type(value).__name__}): "
-            f"deepcopy failed with {exc!r}. Pass fresh=... to per_rank() to build each rank's "
-            "starting value instead (for a Borg's shared dict: fresh=dict)."
-        ) from exc
+    def copy(self, value: Any) -> Any:
+        if value is _ABSENT:
+            return value
+        try:
+            return self.duplicate(value)
+        except Exception as exc:
+            raise TypeError(
+                f"meshsim cannot give each rank its own copy of {self.label} ({type(value).__name__}): "
+                f"copying it failed with {exc!r}. Pass fresh=... to per_rank() to build each rank's "
+                "starting value instead (for a Borg's shared dict: fresh=dict)."
+            ) from exc
 
 
 def _label(owner: Any, name: str | None) -> str:
@@ -206,6 +221,23 @@ def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None
     slots = tuple(_Slot(target, name, fresh) for name in names) if names else (_Slot(target, None, fresh),)
     _REGISTRY.add(slots)
     return PerRankState(slots)
+
+
+def declare(
+    owner: object,
+    name: str,
+    *,
+    duplicate: Callable[[Any], Any] = copy.copy,
+    after_set: Callable[[], None] | None = None,
+) -> None:
+    """Declare ``owner.name`` per rank for meshsim's own use (torch's and the stdlib's process state).
+
+    As :func:`per_rank`, but each rank starts from ``duplicate(caller's value)`` (a
+    shallow copy by default: hook tables hold functions bound to live objects), and
+    nothing is declared twice. Not undone: it is inert outside worlds.
+    """
+    if not declared(owner, name):
+        _REGISTRY.add((_Slot(owner, name, None, duplicate, after_set),))
 
 
 def declared(target: object, name: str | None) -> bool:

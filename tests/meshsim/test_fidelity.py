@@ -9,12 +9,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshsim
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
 def _on_both(fn: object, world_size: int) -> tuple[list[object], list[object]]:
@@ -106,3 +114,181 @@ def test_the_meshsim_backend_is_gone_after_a_world(backend: str) -> None:
     meshsim.run(lambda: None, 2, backend=backend)
     assert "meshsim" not in dist.Backend.backend_list
     assert "meshsim" not in dist.Backend.default_device_backend_map.values()
+
+
+# -- D1: dist.* collectives reach c10d's dispatcher ops, as dispatch modes see on gloo ---
+
+
+class _OpNames(TorchDispatchMode):
+    """Lists the collective ops it sees, in order (as any user dispatch mode would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _every_collective_under_modes() -> tuple[list[tuple[str, int]], list[str], list[tuple[object, ...]]]:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    with meshsim.record() as ledger, _OpNames() as names, CommDebugMode() as comm:
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        dist.reduce(t, 0)
+        dist.all_gather([torch.zeros(4) for _ in range(ws)], t)
+        dist.all_gather_into_tensor(torch.zeros(4 * ws), t)
+        dist.reduce_scatter(torch.zeros(4), [torch.ones(4) for _ in range(ws)])
+        dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * ws))
+        dist.all_to_all_single(torch.zeros(4 * ws), torch.ones(4 * ws))
+        dist.all_to_all([torch.zeros(1) for _ in range(ws)], [torch.ones(1) for _ in range(ws)])
+        dist.gather(t, [torch.zeros(4) for _ in range(ws)] if rank == 0 else None, dst=0)
+        dist.scatter(t, [torch.ones(4) for _ in range(ws)] if rank == 0 else None, src=0)
+        dist.barrier()
+        if rank == 0:
+            dist.send(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)  # a pending receive, waited on through the mode
+        dist.all_reduce(t, async_op=True).wait()
+        dist.all_gather_object([None] * ws, {"rank": rank})
+    counts = sorted((str(op), n) for op, n in comm.get_comm_counts().items())
+    return counts, names.seen, ledger.project("op", "api", "group", "bytes_in", "bytes_out", "seq")
+
+
+def test_dispatch_modes_see_plain_collectives_as_on_gloo() -> None:
+    sim, gloo = _on_both(_every_collective_under_modes, 2)
+    assert sim == gloo
+    counts = dict(sim[0][0])  # CommDebugMode counts collectives, not barrier or p2p
+    assert counts["c10d.allreduce_"] == 2 and counts["c10d.scatter_"] == 1
+    assert "c10d.barrier.default" in sim[0][1] and "c10d.send.default" in sim[0][1]
+    assert "c10d.recv_.default" in sim[1][1]
+
+
+def _distribute_a_tensor() -> dict[str, int]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with CommDebugMode() as comm:
+        distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [Shard(0)])
+    return {str(op): n for op, n in comm.get_comm_counts().items()}
+
+
+def test_distribute_tensor_is_one_scatter_as_torchs_own_test_expects() -> None:
+    sim, gloo = _on_both(_distribute_a_tensor, 4)
+    assert sim == gloo == [{"c10d.scatter_": 1}] * 4
+
+
+# -- D3: nn.Module global hooks are per rank -------------------------------------------
+
+
+class _Reduces(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x * 2
+
+
+def _module_collectives_under_comm_debug_mode() -> dict[str, int]:
+    model = torch.nn.Sequential(_Reduces(), _Reduces())
+    with CommDebugMode() as comm:  # its module tracker registers global module hooks
+        model(torch.ones(2))
+    return {key: sum(ops["forward"].values()) for key, ops in comm.comm_module_counts.items()}
+
+
+def test_global_module_hooks_are_per_rank() -> None:
+    sim = meshsim.run(_module_collectives_under_comm_debug_mode, 4)
+    assert sim == [{"Global": 2, "Sequential": 2, "Sequential.0": 1, "Sequential.1": 1}] * 4
+    # each rank's tracker saw only its own modules: the hooks a rank registers do not
+    # reach another rank's module calls, and none outlive the world
+    hooks = torch.nn.modules.module
+    assert not hooks._global_forward_hooks and not hooks._global_forward_pre_hooks
+
+
+def _count_module_calls() -> int:
+    calls: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: calls.append(type(m).__name__)
+    )
+    dist.barrier()  # every rank has registered its hook before any module runs
+    torch.nn.Linear(2, 2)(torch.ones(2))
+    dist.barrier()
+    handle.remove()
+    return len(calls)
+
+
+def test_a_ranks_global_hook_sees_only_its_own_modules() -> None:
+    assert meshsim.run(_count_module_calls, 4) == [1, 1, 1, 1]
+
+
+# -- D4: torch.distributed flags that ranks set are per rank; the caller's is back after --
+
+
+def _min_cost_plan_in_a_rank() -> tuple[object, object]:
+    import torch.distributed.tensor._redistribute as redistribute
+
+    with redistribute.use_min_cost_redistribution_plan(True):
+        inside = redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN
+        dist.barrier()  # every rank enters before any leaves: exits interleave
+    return inside, redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN
+
+
+def test_redistribution_flags_are_per_rank_and_do_not_leak() -> None:
+    import torch.distributed.tensor._redistribute as redistribute
+
+    before = redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN
+    assert meshsim.run(_min_cost_plan_in_a_rank, 4) == [(True, before)] * 4
+    assert redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN == before
+
+
+def _implicit_replication_in_a_rank() -> tuple[bool, bool]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        dist.barrier()  # another rank leaving its block must not end this rank's
+        inside = bool(DTensor._op_dispatcher._allow_implicit_replication)
+    return inside, bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def test_implicit_replication_is_per_rank() -> None:
+    # torch keeps this flag per thread (2.11-2.15): rank threads get it per rank as they are
+    from torch.distributed.tensor import DTensor
+
+    assert meshsim.run(_implicit_replication_in_a_rank, 3) == [(True, False)] * 3
+    assert DTensor._op_dispatcher._allow_implicit_replication is False
+
+
+# -- D5: warnings are per rank ---------------------------------------------------------
+
+
+def _warn_across_a_collective() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn(f"from rank {dist.get_rank()}", UserWarning, stacklevel=1)
+        dist.barrier()  # every rank is inside catch_warnings at once
+    return [str(w.message) for w in caught]
+
+
+def test_catch_warnings_records_each_ranks_own_warnings() -> None:
+    filters = list(warnings.filters)
+    assert meshsim.run(_warn_across_a_collective, 4) == [[f"from rank {r}"] for r in range(4)]
+    assert warnings.filters == filters
+
+
+def _a_filter_set_in_a_rank() -> int:
+    if dist.get_rank() == 0:
+        warnings.simplefilter("error")  # without catch_warnings: it must stay rank 0's
+    dist.barrier()
+    try:
+        warnings.warn("a warning", UserWarning, stacklevel=1)
+    except UserWarning:
+        return 1
+    return 0
+
+
+def test_a_ranks_warning_filters_are_its_own() -> None:
+    filters = list(warnings.filters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert meshsim.run(_a_filter_set_in_a_rank, 3) == [1, 0, 0]
+    assert warnings.filters == filters
