@@ -3,7 +3,7 @@
 See the README for a guide; every name below is documented where it is defined.
 """
 
-from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError
+from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError, StateLeakWarning
 from meshsim._ledger import Collective, Ledger, record
 from meshsim._perrank import per_rank
 from meshsim._threads import end_idle_threads
@@ -16,6 +16,7 @@ __all__ = [
     "Ledger",
     "MeshError",
     "RankError",
+    "StateLeakWarning",
     "end_idle_threads",
     "per_rank",
     "record",

@@ -12,6 +12,7 @@ __all__ = [
     "DeadlockError",
     "MeshError",
     "RankError",
+    "StateLeakWarning",
     "WorldAborted",
 ]
 
@@ -122,6 +123,10 @@ def _rebuild_deadlock(
     message: str, states: Mapping[int, str], timed_out: bool, ranks: tuple[int, ...]
 ) -> DeadlockError:
     return DeadlockError(message, states=states, timed_out=timed_out, ranks=ranks)
+
+
+class StateLeakWarning(UserWarning):
+    """A world left process-wide state changed that each rank's own process would have kept to itself."""
 
 
 class WorldAborted(BaseException):

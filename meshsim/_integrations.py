@@ -79,6 +79,13 @@ def _module_hooks(module: ModuleType) -> None:
             declare(module, name)
 
 
+def _c10d_globals(module: ModuleType) -> None:
+    # init_process_group sets them and nothing resets them (checked in 2.11-2.15)
+    for name in ("_backend", "_default_pg_init_method"):
+        if hasattr(module, name):
+            declare(module, name, duplicate=_same)
+
+
 def _redistribute_flags(module: ModuleType) -> None:
     for name in ("_FORCE_MIN_COST_REDISTRIBUTION_PLAN", "_DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION"):
         if hasattr(module, name):
@@ -98,6 +105,7 @@ def _same(value: Any) -> Any:
 _INTEGRATIONS: dict[str, Callable[[ModuleType], None]] = {
     "warnings": _warnings,
     "torch.nn.modules.module": _module_hooks,
+    "torch.distributed.distributed_c10d": _c10d_globals,
     "torch.distributed.tensor._redistribute": _redistribute_flags,
     "torch.distributed.tensor._random": _dtensor_rng,
     "physicsnemo.distributed.manager": _physicsnemo_manager,

@@ -527,15 +527,6 @@ def forget_groups() -> None:
     torch._C._distributed_c10d._unregister_all_process_groups()
 
 
-def c10d_globals() -> tuple[Any, Any]:
-    """Module globals ``init_process_group`` sets and nothing resets."""
-    return c10d._backend, c10d._default_pg_init_method
-
-
-def restore_c10d_globals(saved: tuple[Any, Any]) -> None:
-    c10d._backend, c10d._default_pg_init_method = saved
-
-
 def reduce_op_value(reduce_op: Any) -> int:
     """The ``RedOpType`` value of a ReduceOp as c10d operators receive it (a ScriptObject)."""
     return int(reduce_op.op())

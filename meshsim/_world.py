@@ -41,6 +41,7 @@ from meshsim._errors import (
     WorldAborted,
     format_user_traceback,
 )
+from meshsim._leaks import Watch
 from meshsim._loopback import loopback_environment
 from meshsim._recorder import DispatchRecorder
 from meshsim._rendezvous import Rendezvous
@@ -190,6 +191,7 @@ class _World:
         self.cpus: frozenset[int] | None = None  # where rank threads run
         self.recorders: list[DispatchRecorder] = []  # gloo: when each rank last entered a collective
         self.states: list[RankState] = []  # each rank's per-process state (serialize mode)
+        self.watch: Watch | None = None  # torch.distributed globals as the world started
 
     # -- the caller's side ----------------------------------------------------------
 
@@ -231,6 +233,7 @@ class _World:
         # loaded, which the caller's state then includes.
         _patches.install(BACKEND_NAME, create_process_group)
         try:
+            self.watch = Watch()
             saved = ProcessState.capture()
             self.num_threads_default = saved.num_threads
             try:
@@ -252,6 +255,8 @@ class _World:
             saved.restore()
         finally:
             _patches.uninstall()
+        if self.watch is not None:
+            self.watch.report()
 
     def _start(self, caller: ProcessState) -> None:
         if self.backend == "gloo":

@@ -292,3 +292,32 @@ def test_a_ranks_warning_filters_are_its_own() -> None:
         warnings.simplefilter("ignore")
         assert meshsim.run(_a_filter_set_in_a_rank, 3) == [1, 0, 0]
     assert warnings.filters == filters
+
+
+# -- D4: other torch.distributed globals a world leaves changed are reported ------------
+
+
+def _turn_a_torch_flag_off() -> None:
+    import torch.distributed._local_tensor as local_tensor
+
+    local_tensor._PROCESS_MODE = not local_tensor._PROCESS_MODE
+
+
+def test_a_world_that_leaves_a_torch_distributed_global_changed_is_reported() -> None:
+    import torch.distributed._local_tensor as local_tensor
+
+    before = local_tensor._PROCESS_MODE
+    try:
+        with pytest.warns(
+            meshsim.StateLeakWarning, match=rf"_local_tensor\._PROCESS_MODE: {before} -> {not before}"
+        ):
+            meshsim.run(_turn_a_torch_flag_off, 1)
+    finally:
+        local_tensor._PROCESS_MODE = before
+
+
+def test_an_ordinary_dtensor_world_leaves_nothing_changed() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", meshsim.StateLeakWarning)
+        meshsim.run(_distribute_a_tensor, 4)
+        meshsim.run(_min_cost_plan_in_a_rank, 2)
