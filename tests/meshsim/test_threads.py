@@ -157,6 +157,7 @@ def _reapers() -> list[threading.Thread]:
 def test_the_reaper_runs_only_while_threads_are_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_threads, "IDLE_LIFETIME", 0.3)  # long enough to see it running
     monkeypatch.setattr(_threads, "_POLL", 0.02)
+    meshsim.end_idle_threads()  # an earlier test's idle threads (and their reaper) may still wait
     assert _reapers() == []
     meshsim.run(this_thread, 2)
     reapers = _reapers()
