@@ -607,3 +607,54 @@ def exit_forward_ad_levels(down_to: int) -> None:
     """Exit the dual levels entered since the process was at level ``down_to`` (innermost first)."""
     while forward_ad._current_level > down_to:
         forward_ad.exit_dual_level()  # type: ignore[no-untyped-call]
+
+
+# -- torch.testing._internal, for meshsim.testing ----------------------------------------
+# meshsim.testing stands in for torch's distributed test bases; these are the pieces of
+# torch's test helpers it keeps (checked against torch 2.13). They are imported on first
+# use: torch.testing._internal.common_utils needs expecttest and takes ~1 s to import.
+
+
+def torch_test_case() -> type[Any]:
+    """torch's ``common_utils.TestCase``, the base of every torch test class."""
+    from torch.testing._internal.common_utils import TestCase
+
+    return cast(type[Any], TestCase)
+
+
+def distributed_test_defaults() -> tuple[int, int, str]:
+    """``(DEFAULT_WORLD_SIZE, NUM_DEVICES, DEVICE_TYPE)`` as torch's distributed bases use them."""
+    from torch.testing._internal.common_distributed import DEFAULT_WORLD_SIZE
+    from torch.testing._internal.distributed._tensor.common_dtensor import DEVICE_TYPE, NUM_DEVICES
+
+    return int(DEFAULT_WORLD_SIZE), int(NUM_DEVICES), str(DEVICE_TYPE)
+
+
+def test_skip_messages() -> dict[int, str]:
+    """The messages of torch's skip exit codes (``TEST_SKIPS``), by exit code."""
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    return {skip.exit_code: skip.message for skip in TEST_SKIPS.values()}
+
+
+def accelerator_backends() -> tuple[str, ...]:
+    """Backend names that need one accelerator per rank (``ACCELERATOR_DIST_BACKENDS``)."""
+    from torch.testing._internal.common_distributed import ACCELERATOR_DIST_BACKENDS
+
+    return tuple(ACCELERATOR_DIST_BACKENDS)
+
+
+def run_subtests(
+    test: Any, config: dict[str, list[Any]], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> None:
+    """torch's ``run_subtests``: ``fn`` once per combination of ``config``, each in ``test.subTest``."""
+    from torch.testing._internal.common_distributed import run_subtests as torch_run_subtests
+
+    torch_run_subtests(test, config, fn, *args, **kwargs)
+
+
+def dtensor_converter(mesh: Any, args: Any, kwargs: Any) -> Any:
+    """torch's ``DTensorConverter``: iterates over shardings of an op's tensor arguments."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import DTensorConverter
+
+    return DTensorConverter(mesh, args, kwargs)
