@@ -215,6 +215,21 @@ class _DoneWork(dist.Work):
 _DONE = _DoneWork()  # shared by every synchronous call of the process
 
 
+class _BackendTraits:
+    """The backend traits c10d's Python code looks up: no coalescing, no splitting."""
+
+    supports_coalescing = False
+    supports_splitting = False
+    supports_time_estimate = False
+    _supports_time_estimate = False
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+
+_BACKEND_TRAITS = _BackendTraits()
+
+
 def _reduce_op(opts: Any) -> tuple[str, Any]:
     """The reduce op's name and, for PREMUL_SUM, its factor."""
     if opts is None:
@@ -298,6 +313,10 @@ class SimProcessGroup(dist.ProcessGroup):
         """Number this group's calls in ledgers from 0 again (see :func:`restart_numbering`)."""
         self._seq_base = self._seq
         self._p2p_base = dict(self._p2p_seq)
+
+    def _get_backend(self, device: Any) -> Any:
+        """What c10d reads of a group's backend for a device (torch 2.15's batch_isend_irecv asks)."""
+        return _BACKEND_TRAITS
 
     def getBackendName(self) -> str:
         return BACKEND_NAME

@@ -187,6 +187,7 @@ class _RankWorld:
         self.tags_to_pg: dict[str, list[Any]] = {}
         self.pg_to_tag: dict[Any, str] = {}
         self.pg_coalesce_state: dict[Any, list[Any]] = {}
+        self.pg_flight_recorder_hooks: dict[Any, Any] = {}  # torch 2.15
         self.comms: list[Any] = []
 
 
