@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsim import _ledger, _ops, _recorder, _torch_private
+from meshsim import _ledger, _ops, _recorder, _sites, _torch_private
 from meshsim import _movement as mv
 from meshsim._ledger import Collective
 from meshsim._rendezvous import Call, Message, PostedRecv, Rendezvous
@@ -386,7 +386,7 @@ class SimProcessGroup(dist.ProcessGroup):
     ) -> str:
         """Add the call to the open ledgers; returns its site."""
         ranks = self._group.ranks
-        site = _ledger.site_of(frame)
+        site = _sites.site_of(frame)
         peer = ranks[root] if root is not None else None
         seq -= self._seq_base
         _ledger.append(Collective(op, api, ranks, dtype, bytes_in, bytes_out, reduce_op, seq, site, peer))
@@ -766,7 +766,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         tensors = list(tensors)
         self._check_peer(dstRank, "send")
-        site = _ledger.call_site(2)
+        site = _sites.call_site(2)
         self._record_p2p("send", dstRank, tensors, site)
         text = f"send({_descs(tensors)}, dst={self._group.ranks[dstRank]}, tag={tag})"
         with torch.no_grad():
@@ -792,7 +792,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._recv(list(tensors), None, tag)
 
     def _recv(self, tensors: list[Tensor], src: int | None, tag: int) -> dist.Work:
-        site = _ledger.call_site(3)
+        site = _sites.call_site(3)
         self._record_p2p("recv", src, tensors, site)
         who = "any rank" if src is None else f"rank {self._group.ranks[src]}"
         text = f"recv({_descs(tensors)}) from {who} (tag {tag})"

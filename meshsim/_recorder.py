@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshsim import _ledger, _torch_private
+from meshsim import _ledger, _sites, _torch_private
 from meshsim._ledger import Collective
 
 __all__ = ["DispatchRecorder", "current"]
@@ -297,7 +297,7 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             # sharding propagation) also answers NotImplemented to foreign modes, and two
             # refusals would fail every DTensor operator.
             return NotImplemented
-        site = _ledger.call_site(2)
+        site = _sites.call_site(2)
         self.entered = time.monotonic()
         out = func(*args, **kwargs)
         seen = handler(args, kwargs.get("out", out))

@@ -19,9 +19,9 @@ from types import FrameType
 from typing import Any
 
 from meshsim._errors import CollectiveMismatchError, WorldAborted
-from meshsim._ledger import site_of
 from meshsim._movement import Problem, culprits
 from meshsim._scheduler import Scheduler, Waitable
+from meshsim._sites import site_of
 
 __all__ = ["Call", "GroupState", "Mailbox", "Message", "PostedRecv", "Rendezvous", "Slot"]
 

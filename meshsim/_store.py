@@ -15,8 +15,8 @@ from typing import Any
 
 from torch._C._distributed_c10d import Store as _CStore
 
-from meshsim._ledger import call_site
 from meshsim._scheduler import Scheduler, Waitable
+from meshsim._sites import call_site
 
 Store: Any = _CStore  # a class the stubs do not let mypy subclass
 
