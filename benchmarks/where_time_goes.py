@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _ops, _state
+from meshsim import _collectives, _state
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -64,15 +64,17 @@ def _load_without_rng(self: _state.RankState) -> None:
 
 @contextmanager
 def _without(parts: set[str]) -> Iterator[None]:
-    saved = (_state.RankState.save, _state.RankState.load, _ops.all_reduce)
+    execute = vars(_collectives.AllReduce)["execute"]
+    saved = (_state.RankState.save, _state.RankState.load)
     if "rng" in parts:
         _state.RankState.save, _state.RankState.load = _save_without_rng, _load_without_rng  # type: ignore[method-assign]
     if "execute" in parts:
-        _ops.all_reduce = lambda calls: None  # type: ignore[assignment]
+        _collectives.AllReduce.execute = staticmethod(lambda payloads: None)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        _state.RankState.save, _state.RankState.load, _ops.all_reduce = saved  # type: ignore[method-assign]
+        _state.RankState.save, _state.RankState.load = saved  # type: ignore[method-assign]
+        _collectives.AllReduce.execute = execute  # type: ignore[method-assign]
 
 
 VARIANTS: dict[str, tuple[set[str], bool]] = {

@@ -1,29 +1,31 @@
-"""Where ranks meet: one slot per (group, sequence number), signature checks, and p2p mailboxes.
+"""Where ranks meet: one slot per (group, sequence number), and each group's mailbox.
 
 Each rank numbers its collectives on a group 0, 1, 2, ...; the calls with the
 same number meet in one :class:`Slot`. The last rank to arrive compares every
-rank's signature (op, dtypes, shapes, reduce op, root, splits), runs the
-cross-rank compatibility check, and moves the data for everyone. Point-to-point
-messages meet in a :class:`Mailbox`: sends are buffered, receives wait.
+rank's call (the same kind of collective, equal signatures), runs the
+description's cross-rank compatibility check, and carries the collective out for
+everyone (:mod:`meshsim._collectives`). Point-to-point messages meet in each
+group's :class:`meshsim._p2p.Mailbox`.
 
-This module knows the signatures of calls but not their meaning: what to check
-across ranks and how to move data come with each :class:`Call`.
+This module knows calls' kinds and signatures but not their meaning.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from meshsim._collectives import Description
 from meshsim._errors import CollectiveMismatchError, WorldAborted
 from meshsim._movement import Problem, culprits
+from meshsim._p2p import Mailbox
 from meshsim._scheduler import Scheduler, Waitable
 from meshsim._sites import site_of
 
-__all__ = ["Call", "GroupState", "Mailbox", "Message", "PostedRecv", "Rendezvous", "Slot"]
+__all__ = ["Call", "GroupState", "Rendezvous", "Slot"]
 
 _ADVICE = (
     "Every rank of a group must issue the same collectives on it, in the same order, "
@@ -37,30 +39,25 @@ class Call:
 
     Attributes:
         group_rank: the caller's rank in the group.
-        op: the normalized op name, e.g. ``all_reduce``.
-        signature: what must be equal on every rank (op, dtypes, shapes, ...).
-        describe: makes the call's text for error tables, e.g. ``all_reduce(float32[4], SUM)``
-            (built only when an error needs it: the hot path never formats).
+        payload: the collective as this rank issued it (a typed description).
+        signature: what must be equal on every rank (``payload.signature()``, taken once).
         where: ``file.py:LINE in function`` of the user's call, or the frame of the call, read
             only when needed (the rank is still inside its call whenever an error is built).
-        payload: the tensors and options the executor needs.
-        execute: moves the data, given every rank's call in group-rank order.
-        compat: the cross-rank check for what may differ between ranks (e.g. all_to_all
-            splits); returns the problems found (none when compatible).
     """
 
     group_rank: int
-    op: str
+    payload: Description
     signature: tuple[Any, ...]
-    describe: Callable[[], str]
     where: str | FrameType
-    payload: Any
-    execute: Callable[[Sequence[Call]], None]
-    compat: Callable[[Sequence[Call]], list[Problem]] | None = None
+
+    @property
+    def op(self) -> str:
+        return self.payload.op
 
     @property
     def text(self) -> str:
-        return self.describe()
+        """The call for error tables, e.g. ``all_reduce(float32[4], SUM)`` (built only when needed)."""
+        return self.payload.describe()
 
     @property
     def site(self) -> str:
@@ -105,7 +102,7 @@ class Slot(Waitable):
         first = self._first
         if first is None:
             self._first = call
-        elif first.op != call.op or first.signature != call.signature:
+        elif type(first.payload) is not type(call.payload) or first.signature != call.signature:
             self.mismatch = True
 
     def complete(self) -> None:
@@ -114,14 +111,16 @@ class Slot(Waitable):
         if self.mismatch:
             self.error = self._mismatch_error("ranks entered different collectives")
             return
-        problems = calls[0].compat(calls) if calls[0].compat is not None else []
+        kind = type(calls[0].payload)
+        payloads = [c.payload for c in calls]
+        problems = kind.compat(payloads) if kind.compat is not None else []
         if problems:
             self.error = self._mismatch_error(
                 f"the ranks' {calls[0].op} arguments do not fit together", problems
             )
             return
         try:
-            calls[0].execute(calls)
+            kind.execute(payloads)
         except Exception as exc:  # a bug in meshsim, or an input torch would reject
             self.error = RuntimeError(
                 f"meshsim could not carry out {self._where()} ({calls[0].text}): {exc!r}"
@@ -199,113 +198,6 @@ def _odd_ones(calls: Sequence[Call | None], ranks: tuple[int, ...]) -> tuple[int
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
-
-
-@dataclass(eq=False)
-class Message:
-    """A buffered send: copies of the tensors, and where they were sent from."""
-
-    src: int  # group ranks
-    dst: int
-    tag: int
-    tensors: list[Any]
-    text: str
-    site: str
-
-
-class PostedRecv(Waitable):
-    """A receive waiting for its message."""
-
-    def __init__(
-        self,
-        mailbox: Mailbox,
-        dst: int,
-        src: int | None,
-        tag: int,
-        tensors: list[Any],
-        text: str,
-        site: str,
-        deliver: Callable[[Message, PostedRecv], str | None],
-    ) -> None:
-        super().__init__()
-        self.mailbox = mailbox
-        self.dst = dst
-        self.src = src
-        self.tag = tag
-        self.tensors = tensors
-        self.text = text
-        self.site = site
-        self.deliver = deliver
-        self.source: int | None = None  # the group rank the message came from
-
-    def matches(self, message: Message) -> bool:
-        return (
-            message.dst == self.dst
-            and message.tag == self.tag
-            and (self.src is None or message.src == self.src)
-        )
-
-    def describe(self, rank: int) -> str:
-        ranks = self.mailbox.ranks
-        queued = [m for m in self.mailbox.queued if m.dst == self.dst]
-        note = ""
-        if queued:
-            parts = [f"from rank {ranks[m.src]} with tag {m.tag} ({m.text} at {m.site})" for m in queued]
-            note = "; unmatched messages to it: " + ", ".join(parts)
-        return f"waiting in {self.text} at {self.site}{note}"
-
-    def missing(self) -> tuple[int, ...]:
-        ranks = self.mailbox.ranks
-        if self.src is not None:
-            return (ranks[self.src],)
-        return tuple(r for i, r in enumerate(ranks) if i != self.dst)
-
-
-class Mailbox:
-    """The point-to-point messages of one group, matched in order per (src, dst, tag)."""
-
-    def __init__(self, ranks: tuple[int, ...]) -> None:
-        self.ranks = ranks  # the group's global ranks
-        self.queued: list[Message] = []
-        self.posted: list[PostedRecv] = []
-
-    def send(self, message: Message, scheduler: Scheduler) -> None:
-        """Deliver ``message`` to a waiting receive, or queue it. Call with the lock held."""
-        for recv in self.posted:
-            if recv.matches(message):
-                self.posted.remove(recv)
-                self._deliver(message, recv, scheduler)
-                return
-        self.queued.append(message)
-
-    def post(self, recv: PostedRecv, scheduler: Scheduler) -> None:
-        """Match ``recv`` with a queued message, or leave it waiting. Call with the lock held."""
-        for message in self.queued:
-            if recv.matches(message):
-                self.queued.remove(message)
-                self._deliver(message, recv, scheduler)
-                return
-        self.posted.append(recv)
-
-    def _deliver(self, message: Message, recv: PostedRecv, scheduler: Scheduler) -> None:
-        recv.source = message.src
-        problem = recv.deliver(message, recv)
-        if problem is not None:
-            ranks = self.ranks
-            src, dst = ranks[message.src], ranks[recv.dst]
-            text = (
-                f"send and recv do not fit together in {_label(self.ranks)}: {problem}\n"
-                f"  rank {src}: {message.text}  at {message.site}\n"
-                f"  rank {dst}: {recv.text}  at {recv.site}\n"
-                "A recv must receive the dtype and number of elements that the matching send sent."
-            )
-            recv.error = CollectiveMismatchError(
-                text,
-                group=ranks,
-                ranks=(src, dst),
-                calls={src: message.text, dst: recv.text},
-            )
-        scheduler.wake(recv)
 
 
 @dataclass

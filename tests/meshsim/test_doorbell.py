@@ -15,6 +15,7 @@ import torch.distributed as dist
 import meshsim
 from meshsim import _doorbell, _threads, _world
 from meshsim import _scheduler as _scheduler_module
+from meshsim._collectives import Barrier
 from meshsim._doorbell import Doorbell, EventBell, LockBell
 from meshsim._rendezvous import Call, Rendezvous
 from meshsim._scheduler import Scheduler
@@ -209,7 +210,7 @@ def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
         group = rendezvous.group("g", (0, 1), 0)
 
         def barrier(rank: int) -> Call:
-            return Call(rank, "barrier", (), lambda: "barrier()", "here", None, lambda calls: None)
+            return Call(rank, Barrier(), (), "here")
 
         return (
             lambda: rendezvous.meet(group, 0, barrier(0), 0),
