@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshsim import _rng, _state
+from meshsim._affinity import pin, unpin
 from meshsim._backend import current_context
 from meshsim._scheduler import Waitable
 from meshsim._state import ProcessState
-from meshsim._world import _check_args, _pin, _unpin, _World
+from meshsim._world import _check_args, _World
 
 __all__ = ["Session"]
 
@@ -165,7 +166,7 @@ class Session:
         )
         world.scheduler.on_idle = calls.idle.set
         self._allowed = allowed = world.place()
-        pinned = _pin(world.cpu, allowed)
+        pinned = pin(world.cpu, allowed)
         try:
             saved = world.open()
             try:
@@ -176,7 +177,7 @@ class Session:
                 raise
         finally:
             if pinned:
-                _unpin(allowed)
+                unpin(allowed)
         if world.scheduler.error is not None:
             world.close(saved)
             world.outcome()  # raises what stopped the world's start
@@ -192,7 +193,7 @@ class Session:
         _state.apply_environ_changes(self._env)
         if world.states:
             world.states[0].load_world_env()
-        pinned = _pin(world.cpu, self._allowed)
+        pinned = pin(world.cpu, self._allowed)
         try:
             calls.idle.clear()
             calls.results = [None] * self.world_size
@@ -206,7 +207,7 @@ class Session:
             raise
         finally:
             if pinned:
-                _unpin(self._allowed)
+                unpin(self._allowed)
         if world.scheduler.error is not None:
             self._end(world, saved)
             world.outcome()  # raises what made the call fail

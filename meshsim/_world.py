@@ -8,30 +8,23 @@ process-global state in :mod:`meshsim._state` is put back.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import functools
 import math
-import os
-import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, PrefixStore, Store
+from torch._C._distributed_c10d import Store
 
-from meshsim import _patches, _threads, _torch_private
+from meshsim import _affinity, _patches, _threads
 from meshsim._backend import (
     BACKEND_NAME,
     RankContext,
     bind_rank,
     create_process_group,
-    current_rank,
-    default_process_group,
 )
 from meshsim._errors import (
     CollectiveMismatchError,
@@ -41,20 +34,18 @@ from meshsim._errors import (
     WorldAborted,
     format_user_traceback,
 )
+from meshsim._interrupt import interrupt
 from meshsim._leaks import Watch
-from meshsim._loopback import loopback_environment
-from meshsim._recorder import DispatchRecorder
 from meshsim._rendezvous import Rendezvous
 from meshsim._scheduler import SAFETY_POLL, Scheduler
 from meshsim._state import ProcessState, RankState
-from meshsim._store import SimStore
+from meshsim._worldkinds import Ranks, ranks_for
 
 __all__ = ["run"]
 
 BACKENDS = ("sim", "gloo")
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
 _INTERRUPT_AFTER = 0.05  # seconds before interrupting them: most leave at their next collective
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def run(
@@ -162,6 +153,7 @@ class _World:
         self.timeout = timeout
         self.group_timeout = datetime.timedelta(seconds=timeout)  # of the groups ranks make
         self.backend = backend
+        self.kind: Ranks = ranks_for(backend, serialize=serialize)
         self.gpu_paths = gpu_paths
         self.num_threads = num_threads
         self.workers, self.new_workers = _threads.take(world_size)
@@ -185,11 +177,9 @@ class _World:
         self.failures: list[tuple[int, BaseException, str]] = []
         self.num_threads_default = 1  # the caller's, for reused threads when num_threads is None
         self.store: Store | None = None
-        self.group_store: Store | None = None
         self.stuck: list[int] = []
         self.cpu: int | None = None
         self.cpus: frozenset[int] | None = None  # where rank threads run
-        self.recorders: list[DispatchRecorder] = []  # gloo: when each rank last entered a collective
         self.states: list[RankState] = []  # each rank's per-process state (serialize mode)
         self.watch: Watch | None = None  # torch.distributed globals as the world started
 
@@ -201,16 +191,16 @@ class _World:
         # with them (the start, the end) then need no cross-CPU wake-up, which made a
         # world's set-up and teardown ~1.5x slower on a 2-CPU VM. New rank threads
         # inherit the pinning.
-        pinned = _pin(self.cpu, allowed)
+        pinned = _affinity.pin(self.cpu, allowed)
         try:
             return self._run()
         finally:
             if pinned:
-                _unpin(allowed)
+                _affinity.unpin(allowed)
 
     def place(self) -> frozenset[int] | None:
         """Choose the CPU(s) rank threads run on; returns the caller's (see :meth:`pin_caller`)."""
-        allowed = _affinity()  # read once: each affinity system call costs a few microseconds
+        allowed = _affinity.affinity()  # read once: each affinity system call costs a few microseconds
         self.cpu = self._rank_cpu(allowed) if self.scheduler.serialize else None
         self.cpus = frozenset({self.cpu}) if self.cpu is not None else allowed
         return allowed
@@ -259,12 +249,8 @@ class _World:
             self.watch.report()
 
     def _start(self, caller: ProcessState) -> None:
-        if self.backend == "gloo":
-            # Every gloo group the ranks make, the user's own included, listens on
-            # loopback; _run puts the caller's environment, captured in ``caller``, back.
-            os.environ.update(loopback_environment(nccl=False))
-        self.store = SimStore(self.scheduler, current_rank) if self.backend == "sim" else HashStore()
-        self.group_store = _torch_private.default_group_store(self.store)
+        self.kind.prepare()  # after the caller's state was captured: close() puts it back
+        self.store = self.kind.store(self.scheduler)
 
         if self.scheduler.serialize:
             self.states = states = RankState.fresh(self.world_size, caller)
@@ -286,9 +272,9 @@ class _World:
             cpus = pinned.pop()
             if cpus is not None and len(cpus) == 1:
                 (cpu,) = cpus
-                if _may_run_on(cpu, allowed):
+                if _affinity.may_run_on(cpu, allowed):
                     return cpu  # moving threads to another CPU costs ~25 us each
-        return _current_cpu(allowed)
+        return _affinity.current_cpu(allowed)
 
     def _supervise(self) -> None:
         self.supervise(self.scheduler.finished)
@@ -317,7 +303,7 @@ class _World:
                 break
             if now - start > _INTERRUPT_AFTER:
                 interrupted -= _patches.take_swallowed_interrupts()
-                _interrupt(self.scheduler.running_idents(), interrupted)
+                interrupt(self.scheduler.running_idents(), interrupted)
         self.stuck = [r for r, worker in enumerate(self.workers) if worker.busy]
         self._release_workers()
 
@@ -335,13 +321,7 @@ class _World:
 
     def _give_up_at(self, start: float) -> float:
         """When a stopping world stops waiting for its rank threads and leaves them behind."""
-        if self.backend == "sim":
-            return start + _STOP_GRACE
-        # gloo ranks blocked in C++ cannot be interrupted, but the groups' timeout (the
-        # world's, see enter_rank_thread) releases each collective that long after it began;
-        # one may begin after the stop did (a rank finishing a slow first import).
-        began = max([start, *(recorder.entered for recorder in self.recorders)])
-        return min(began, start + self.timeout) + self.timeout + _STOP_GRACE
+        return self.kind.give_up_at(start, self.timeout)
 
     def outcome(self) -> list[Any]:
         """Each rank's result, or raise what made the world fail."""
@@ -395,13 +375,7 @@ class _World:
         outcome = "stopped: the world failed"
         try:
             self.scheduler.start(rank)
-            if self.backend == "gloo":
-                recorder = DispatchRecorder()
-                self.recorders.append(recorder)
-                with recorder:
-                    outcome = self._call_fn(rank, context)
-            else:
-                outcome = self._call_fn(rank, context)
+            outcome = self.kind.run(functools.partial(self._call_fn, rank, context))
         except WorldAborted:
             pass
         finally:
@@ -428,29 +402,12 @@ class _World:
             self._destroy_process_groups()
 
     def _init_process_group(self, context: RankContext) -> None:
-        if self.backend == "sim":
-            assert self.group_store is not None
-            pg = default_process_group(context)
-            _torch_private.install_default_group(pg, BACKEND_NAME, self.group_store, self.world_size)
-            return
-        assert self.store is not None
-        # A default group made again (user code destroyed it) meets on keys of its own.
-        store = PrefixStore(f"again{context.inits}/", self.store) if context.inits else self.store
-        context.inits += 1
-        _torch_private.init_process_group_unpatched(
-            "gloo",
-            rank=context.rank,
-            world_size=self.world_size,
-            store=store,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
+        assert self.store is not None  # made at the world's start
+        self.kind.init_default_group(context, self.store, self.timeout)
 
     def _destroy_process_groups(self) -> None:
         """Tear down this rank thread's c10d state (a no-op if the user already did)."""
-        if self.backend == "sim":
-            _torch_private.forget_groups()  # nothing to shut down: buffers are the world's
-        elif dist.is_initialized():
-            dist.destroy_process_group()
+        self.kind.destroy_groups()
 
     def _rank_failed(self, rank: int, exc: BaseException) -> None:
         if isinstance(exc, (CollectiveMismatchError, DeadlockError)):
@@ -463,9 +420,8 @@ class _World:
         self.scheduler.abort(RankError(rank, self.world_size, text))
 
     def _let_go(self, exc: BaseException) -> None:
-        """On gloo, drop the references a failed or stopped rank's frames hold to its groups."""
-        if self.backend == "gloo":
-            _drop_frame_locals(exc)
+        """Drop what a failed or stopped rank's frames hold that keeps its groups open (gloo)."""
+        self.kind.let_go(exc)
 
 
 def _nudge_every_second(scheduler: Scheduler, last: float) -> float:
@@ -475,127 +431,3 @@ def _nudge_every_second(scheduler: Scheduler, last: float) -> float:
         return last
     scheduler.nudge()
     return now
-
-
-def _drop_frame_locals(exc: BaseException) -> None:
-    """Clear the locals of the frames ``exc`` (and its cause and context) passed through.
-
-    A gloo group closes its connections only when its last reference goes, and a
-    failed rank's frames often hold one (``group = dist.new_group(...)``, or torch's
-    own frames of the collective it was in): while they do, the peers blocked in a
-    collective with this rank wait out the group's timeout instead of failing at once
-    on the closed connection. The traceback's text was taken before this, so only
-    locals are lost.
-    """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        _clear_frames(current.__traceback__)
-        pending += [current.__cause__, current.__context__]
-        pending += getattr(current, "exceptions", ())  # an ExceptionGroup's members
-
-
-def _clear_frames(tb: types.TracebackType | None) -> None:
-    """``traceback.clear_frames``, keeping pytest's own frames (``pytest.skip``, ``pytest.xfail``).
-
-    They hold no groups, and their ``__tracebackhide__`` locals are how pytest finds
-    the user's line to report a skip at.
-    """
-    keep = tuple(
-        os.path.dirname(module.__file__) + os.sep
-        for module in (sys.modules.get("_pytest"), sys.modules.get("pluggy"))
-        if module is not None and module.__file__
-    )
-    while tb is not None:
-        if not keep or not tb.tb_frame.f_code.co_filename.startswith(keep):
-            try:
-                tb.tb_frame.clear()
-            except RuntimeError:
-                pass  # still executing
-        tb = tb.tb_next
-
-
-def _pin(cpu: int | None, allowed: frozenset[int] | None) -> bool:
-    """Run the calling thread on ``cpu`` until :func:`_unpin`; whether it was moved.
-
-    Threads it starts inherit the pinning. ``allowed``: the thread's CPUs now. One
-    system call each way: a few microseconds.
-    """
-    if cpu is None or allowed is None:
-        return False
-    os.sched_setaffinity(0, {cpu})
-    return True
-
-
-def _unpin(allowed: frozenset[int] | None) -> None:
-    """Let the calling thread run on ``allowed`` again."""
-    if allowed is not None:
-        os.sched_setaffinity(0, allowed)
-
-
-def _affinity() -> frozenset[int] | None:
-    """The CPUs the calling thread may run on, where the platform can tell and set them."""
-    if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
-        return None
-    return frozenset(os.sched_getaffinity(0))
-
-
-@functools.cache
-def _sched_getcpu() -> Callable[[], int] | None:
-    """libc's ``sched_getcpu``, looked up once (loading the library costs ~100 us)."""
-    try:
-        return cast(Callable[[], int], ctypes.CDLL(None).sched_getcpu)
-    except (AttributeError, OSError):
-        return None
-
-
-def _current_cpu(allowed: frozenset[int] | None) -> int | None:
-    """The CPU the calling thread runs on, where the platform can tell."""
-    getcpu = _sched_getcpu()
-    if getcpu is None:
-        return None
-    cpu = int(getcpu())
-    return cpu if _may_run_on(cpu, allowed) else None
-
-
-def _may_run_on(cpu: int, allowed: frozenset[int] | None) -> bool:
-    """Whether the calling thread, which may run on ``allowed``, may be pinned to ``cpu``."""
-    return cpu >= 0 and allowed is not None and cpu in allowed
-
-
-def _interrupt(idents: Sequence[int], done: set[int]) -> None:
-    """Raise :class:`WorldAborted` once in each rank thread that is at a safe point.
-
-    An exception raised asynchronously inside an import corrupts the module's
-    import lock (every later importer of that module then blocks forever), and
-    one raised inside meshsim's own machinery or a second time during clean-up
-    would break the clean-up: so only once, and only in user or torch code. One
-    that Python swallowed (it landed in a ``__del__`` or a gc or weakref callback)
-    is reported by meshsim's unraisable hook and leaves ``done``: it is raised again.
-    """
-    frames = sys._current_frames()
-    try:
-        for ident in idents:
-            if ident in done or not _safe_point(frames.get(ident)):
-                continue
-            done.add(ident)
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(WorldAborted))
-    finally:
-        # The map holds this very frame, whose locals hold the map: a cycle that kept
-        # every rank's frames (and on gloo, their groups' sockets) alive until a gc.
-        frames.clear()
-
-
-def _safe_point(frame: Any) -> bool:
-    if frame is None or frame.f_code.co_filename.startswith(_HERE):
-        return False
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith("<frozen importlib") or f"{os.sep}importlib{os.sep}" in name:
-            return False
-        frame = frame.f_back
-    return True
