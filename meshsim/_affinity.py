@@ -5,6 +5,7 @@ Serialized ranks never run at once, so one CPU loses nothing, and keeping them
 avoids cross-CPU wake-ups at every hand-over and keeps torch's per-thread state
 warm in one cache. ``sched_getcpu`` (libc, through ctypes) says which CPU the
 caller is on; where the platform cannot tell or set affinities, nothing is pinned.
+``benchmarks/bench_tricks.py`` measures pinned worlds against unpinned ones.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsim import _checks, _ledger, _recorder, _sites, _torch_private
+from meshsim import _checks, _dispatch, _ledger, _recorder, _sites, _thread_worlds
 from meshsim._collectives import (
     AllGather,
     AllGatherIntoTensor,
@@ -64,6 +64,8 @@ __all__ = [
     "current_context",
     "current_rank",
     "default_process_group",
+    "reduce_op_names_by_hash",
+    "reduce_op_of",
     "restart_numbering",
 ]
 
@@ -105,7 +107,7 @@ def restart_numbering() -> None:
     call, as a new world's would (a session's next test). On gloo ranks, the rank's
     dispatch recorder starts its count again.
     """
-    for group in _torch_private.thread_groups():
+    for group in _thread_worlds.thread_groups():
         if isinstance(group, SimProcessGroup):
             group.restart_numbering()
     recorder = _recorder.current()
@@ -154,16 +156,35 @@ class _BackendTraits:
 _BACKEND_TRAITS = _BackendTraits()
 
 
-def _reduce_op(opts: Any) -> tuple[str, Any]:
+def reduce_op_of(opts: Any) -> tuple[str, Any]:
     """The reduce op's name and, for PREMUL_SUM, its factor."""
     if opts is None:
         return "SUM", None
     op = opts.reduceOp
-    name = _torch_private.reduce_op_names_by_hash().get(hash(op))  # runs once per rank per call
+    name = reduce_op_names_by_hash().get(hash(op))  # runs once per rank per call
     if name is not None:
         return name, None
     name = getattr(op, "op", op).name
-    return name, (_torch_private.premul_factor(op) if name == "PREMUL_SUM" else None)
+    return name, (op.factor if name == "PREMUL_SUM" else None)
+
+
+@functools.cache
+def reduce_op_names_by_hash() -> dict[int, str]:
+    """The names of the ReduceOp kinds, keyed by ``hash(ReduceOp)``; empty if hashes do not tell them apart.
+
+    A ReduceOp read from a collective's options is a fresh object each call, and
+    comparing it (or reading ``.op``) goes through pybind where ``hash`` does not
+    (benchmarks/bench_tricks.py measures the difference): c10d hashes a ReduceOp as
+    its kind's value (checked in torch 2.11-2.15). The table is built from the kinds
+    themselves and used only while every kind, and a PREMUL_SUM op (not in the
+    table: its factor must be read), hashes differently.
+    """
+    kinds = {name: kind for name, kind in dist.ReduceOp.RedOpType.__members__.items() if name != "PREMUL_SUM"}
+    table = {hash(dist.ReduceOp(kind)): name for name, kind in kinds.items()}
+    premul = hash(dist._make_nccl_premul_sum(1.0))  # type: ignore[attr-defined]
+    if len(table) != len(kinds) or premul in table:
+        return {}
+    return table
 
 
 def _listed(tensors: Any) -> list[Tensor]:
@@ -184,9 +205,9 @@ def _observable(*names: str) -> Callable[[_Method], _Method]:
     def decorate(method: _Method) -> _Method:
         @functools.wraps(method)
         def observable(self: SimProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
-            if _torch_private.dispatch_modes_active():
+            if _dispatch.dispatch_modes_active():
                 run = functools.partial(method, self, *args, **kwargs)
-                work: dist.Work = _torch_private.through_dispatcher(self._twin(), names, args, kwargs, run)
+                work: dist.Work = _dispatch.through_dispatcher(self._twin(), names, args, kwargs, run)
                 return work
             return method(self, *args, **kwargs)
 
@@ -214,7 +235,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _twin(self) -> Any:
         if self._dispatcher_twin is None:
-            self._dispatcher_twin = _torch_private.dispatcher_twin(
+            self._dispatcher_twin = _dispatch.dispatcher_twin(
                 self._group_rank, self._size, self._group.name, BACKEND_NAME
             )
         return self._dispatcher_twin
@@ -297,7 +318,7 @@ class SimProcessGroup(dist.ProcessGroup):
     @_observable("allreduce")
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = _listed(tensors)
-        op, factor = _reduce_op(opts)
+        op, factor = reduce_op_of(opts)
         api = "all_reduce" if len(tensors) == 1 else "all_reduce_coalesced"
         _checks.reducible(op, tensors, api)
         return self._issue(AllReduce(tensors, op, factor, api), opts)
@@ -305,14 +326,14 @@ class SimProcessGroup(dist.ProcessGroup):
     @_observable("allreduce_coalesced")
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
         tensors = list(tensors)
-        op, factor = _reduce_op(opts)
+        op, factor = reduce_op_of(opts)
         _checks.reducible(op, tensors, "all_reduce_coalesced")
         return self._issue(AllReduce(tensors, op, factor, "all_reduce_coalesced"), opts)
 
     @_observable("reduce")
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         tensors = list(tensors)
-        op, factor = _reduce_op(opts)
+        op, factor = reduce_op_of(opts)
         root = opts.rootRank if opts is not None else 0
         _checks.reducible(op, tensors, "reduce")
         _checks.root(root, self._size, "reduce")
@@ -323,7 +344,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
     ) -> dist.Work:
         outputs, input_lists = list(outputs), [list(x) for x in input_lists]
-        op, factor = _reduce_op(opts)
+        op, factor = reduce_op_of(opts)
         _checks.reducible(op, outputs, "reduce_scatter")
         _checks.lists(input_lists, outputs, self._size, "reduce_scatter", "input")
         return self._issue(ReduceScatter(outputs, input_lists, op, factor), opts)
@@ -346,7 +367,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_tensor(
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, api: str
     ) -> dist.Work:
-        op, factor = _reduce_op(opts)
+        op, factor = reduce_op_of(opts)
         _checks.reducible(op, inputs, api)
         _checks.sized(outputs, inputs, self._size, api, "input", "output")
         return self._issue(ReduceScatterTensor(outputs, inputs, op, factor, api), opts)

@@ -17,7 +17,7 @@ in one place:
 Every result is computed before any output is written, so inputs that alias
 outputs (FSDP's all_gather input is a view of its output) are safe. Outputs are
 written as a process group writes them: no autograd version bump
-(:func:`meshsim._torch_private.write`).
+(:func:`write`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any, ClassVar
 import torch
 
 from meshsim import _movement as mv
-from meshsim._torch_private import copy_to_all, write
 
 __all__ = [
     "AllGather",
@@ -46,10 +45,41 @@ __all__ = [
     "ReduceScatter",
     "ReduceScatterTensor",
     "Scatter",
+    "copy_to_all",
+    "write",
 ]
 
 Tensor = torch.Tensor
 Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+# autograd's version counters can be set only through this private call (it takes
+# tuples of tensors and versions: checked in torch 2.11-2.15)
+_SET_VERSIONS: Callable[[tuple[Tensor, ...], tuple[int, ...]], None] = (
+    torch._C._autograd._unsafe_set_version_counter  # type: ignore[attr-defined]
+)
+
+
+def write(out: Tensor, value: Tensor) -> None:
+    """``out.copy_(value)``, as a process group writes it: the version counter does not move.
+
+    gloo and NCCL write a collective's output in C++, under autograd's radar; a
+    Python ``copy_`` bumps the counter, and a view of a tensor that an in-place
+    collective wrote (``torch.chunk(x, n)[r]`` with ``dist.broadcast(x.detach())``)
+    would then fail autograd's in-place check in its next use, where on gloo it does
+    not.
+    """
+    version = out._version
+    out.copy_(value)
+    _SET_VERSIONS((out,), (version,))
+
+
+def copy_to_all(outs: Sequence[Tensor], value: Tensor) -> None:
+    """:func:`write` ``value`` into every tensor of ``outs`` (all of ``value``'s shape, dtype and device)."""
+    outs = tuple(outs)
+    versions = tuple(out._version for out in outs)
+    for out in outs:
+        out.copy_(value)
+    _SET_VERSIONS(outs, versions)
 
 
 class Description:

@@ -5,13 +5,13 @@ waiting at its own. With a ``threading.Lock`` as the doorbell, each hand-over
 costs about three context switches: the woken thread runs at once, finds the GIL
 still held by the ringer, and sleeps again until the ringer blocks. Python lets
 go of the GIL around an ``eventfd``'s system calls, so a rank woken through one
-finds it free. Measured on a 1-CPU pinned world, this takes the context switches
-per collective from ~10 to ~4 at 4 ranks, and a collective 5-20% less time.
+finds it free, and a collective takes fewer context switches
+(``benchmarks/bench_tricks.py`` measures eventfds against locks).
 
 A parked rank waits at its doorbell with :meth:`Doorbell.park`: on an eventfd, one
 blocking read, where a timed wait needs a ``poll`` and then the read. The extra
-system call let the ringer take the GIL back in between, and made a 4-rank
-all_reduce ~7% slower. A park has no timeout of its own; something else bounds
+system call let the ringer take the GIL back in between, and made collectives
+slower. A park has no timeout of its own; something else bounds
 it: a world's supervisor rings its parked ranks every second
 (:meth:`meshsim._scheduler.Scheduler.nudge`), and the pool's reaper rings each
 idle thread when its idle lifetime is up (:mod:`meshsim._threads`).

@@ -36,7 +36,7 @@ from typing import Any
 
 from meshsim._perrank import declare, declared, per_rank
 
-__all__ = ["ImportHook", "declare_loaded"]
+__all__ = ["ImportHook", "install"]
 
 
 def _physicsnemo_manager(module: ModuleType) -> None:
@@ -112,12 +112,24 @@ _INTEGRATIONS: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
-def declare_loaded() -> None:
-    """Declare the per-rank state of every integrated module already imported."""
+def install() -> Callable[[], None]:
+    """Declare the per-rank state of the integrated modules, imported now or later; returns the undo step.
+
+    Modules already imported are declared at once; an :class:`ImportHook` at the
+    front of ``sys.meta_path`` declares the others as they load, until undone.
+    """
+    hook = ImportHook()
+    sys.meta_path.insert(0, hook)
     for name, declare_state in _INTEGRATIONS.items():
         module = sys.modules.get(name)
         if module is not None:
             declare_state(module)
+
+    def undo() -> None:
+        if hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+
+    return undo
 
 
 class ImportHook(importlib.abc.MetaPathFinder):
@@ -145,13 +157,6 @@ class ImportHook(importlib.abc.MetaPathFinder):
 
         loader.exec_module = exec_module  # this spec's own loader object
         return spec
-
-    def install(self) -> None:
-        sys.meta_path.insert(0, self)
-
-    def uninstall(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
 
 
 def _find_with_others(

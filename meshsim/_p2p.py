@@ -17,11 +17,10 @@ from typing import Any
 import torch
 
 from meshsim import _ledger
-from meshsim._collectives import descs, dtype_of, nbytes
+from meshsim._collectives import descs, dtype_of, nbytes, write
 from meshsim._errors import CollectiveMismatchError
 from meshsim._ledger import Collective
 from meshsim._scheduler import Scheduler, Waitable
-from meshsim._torch_private import write
 
 __all__ = ["Endpoint", "Mailbox", "Message", "PostedRecv"]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshsim import _ledger, _sites, _torch_private
+from meshsim import _ledger, _sites, _thread_worlds
 from meshsim._ledger import Collective
 
 __all__ = ["DispatchRecorder", "current"]
@@ -59,7 +59,8 @@ def _flat(lists: Sequence[Sequence[Tensor]]) -> list[Tensor]:
 
 
 def _op_name(reduce_op: Any) -> str:
-    return dist.ReduceOp.RedOpType(_torch_private.reduce_op_value(reduce_op)).name
+    """The name of a ReduceOp as c10d ops receive it: a ScriptObject whose ``op()`` is the kind's value."""
+    return dist.ReduceOp.RedOpType(int(reduce_op.op())).name
 
 
 # -- c10d::* (plain dist.* calls on a C++ process group) ------------------------------
@@ -334,7 +335,7 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         )
 
     def _group(self, group: Any) -> tuple[str, tuple[int, ...], int]:
-        pg = _torch_private.as_process_group(group)
+        pg = _thread_worlds.as_process_group(group)
         name = pg.group_name
         ranks = self._ranks.get(name)
         if ranks is None:

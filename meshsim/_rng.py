@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-__all__ = ["enter_rank", "install", "leave_rank", "numpy_fingerprint", "uninstall"]
+__all__ = ["enter_rank", "install", "leave_rank", "numpy_fingerprint"]
 
 _local = threading.local()
 _NUMPY_ALIASES = {"seed": "seed", "sample": "random_sample", "ranf": "random_sample"}
@@ -128,8 +128,8 @@ def _module_plan(module: Any, names: dict[str, str], pick: Callable[[], Any]) ->
 _plans: dict[tuple[int, int], list[_ModulePlan]] = {}
 
 
-def install() -> list[_ModulePlan]:
-    """Route the module-level RNG functions per rank; returns what :func:`uninstall` restores."""
+def install() -> Callable[[], None]:
+    """Route the module-level RNG functions per rank; returns the step that puts them back."""
     key = (id(random.random), id(sys.modules.get("numpy.random")))
     plan = _plans.get(key)
     # rebuilt when a module's functions were rebound since (monkeypatching, a reload)
@@ -137,12 +137,12 @@ def install() -> list[_ModulePlan]:
         plan = _plans[key] = _plan()
     for part in plan:
         part.namespace.update(part.routed)  # one call per module: this runs at every world's start
-    return plan
 
+    def undo() -> None:
+        for part in reversed(plan):
+            part.namespace.update(part.restored)
 
-def uninstall(plan: list[_ModulePlan]) -> None:
-    for part in reversed(plan):
-        part.namespace.update(part.restored)
+    return undo
 
 
 def enter_rank() -> None:

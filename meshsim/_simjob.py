@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from meshsim import _torch_private
+from meshsim import _thread_worlds
 from meshsim._backend import current_context, restart_numbering
 from meshsim._fixtures import RankFixtures, resolve
 from meshsim._session import Session
@@ -144,7 +144,7 @@ class SimulatedJob:
         job = self
 
         def on_the_ranks(*args: Any) -> Any:
-            if _torch_private.is_rank_thread():
+            if _thread_worlds.is_rank_thread():
                 return function(*args)  # already on a rank (a plugin registered by a rank)
             if hook_name in SETUP_HOOKS:
                 job.session.add_setup(function, *args)
@@ -164,7 +164,7 @@ class SimulatedJob:
         config = self.config
 
         def register_plugin(plugin: Any, name: str | None = None) -> str | None:
-            if _torch_private.is_rank_thread() and manager.is_registered(plugin):
+            if _thread_worlds.is_rank_thread() and manager.is_registered(plugin):
                 # Registered by another rank (or an earlier world): do what registering
                 # it would have done here, under torchrun, in this rank's process.
                 configure = getattr(plugin, "pytest_configure", None)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
-from meshsim import _rng, _torch_private
+from meshsim import _rng
 from meshsim._perrank import WorldSlots
 
 __all__ = ["ProcessState", "RankState"]
@@ -42,7 +43,7 @@ class RankState:
     rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
     default_dtype: torch.dtype
-    rank_env: list[tuple[Any, Any]] = field(default_factory=list)  # RANK, LOCAL_RANK, encoded
+    rank_env: tuple[tuple[str, str], ...] = ()  # RANK, LOCAL_RANK
     slots: WorldSlots | None = None  # the values declared per rank (meshsim.per_rank), if any
     declared: list[Any] = field(default_factory=list)  # this rank's values of them
 
@@ -73,7 +74,7 @@ class RankState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
-        _set_encoded(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+        _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
         if self.slots is not None:
             self.slots.load(self.declared)
 
@@ -84,9 +85,9 @@ class RankState:
         ``MASTER_PORT`` where the caller has none (code written for torchrun reads them
         before its ``init_process_group``, which a rank adopts).
         """
-        _set_encoded(_world_env(self.world_size))
+        _set_environ(_world_env(self.world_size))
         if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
-            _set_encoded(_MASTER_ENV)
+            _set_environ(_MASTER_ENV)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class ProcessState:
             _deterministic(),
             torch.get_default_dtype(),
             _environ_snapshot(),
-            _torch_private.forward_ad_level(),
+            _forward_ad_level(),
             slots,
             _rng.numpy_fingerprint(),
         )
@@ -148,7 +149,8 @@ class ProcessState:
             torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
         # dual levels a rank entered and never exited (the level is process-wide)
-        _torch_private.exit_forward_ad_levels(self.forward_ad_level)
+        while _forward_ad_level() > self.forward_ad_level:
+            forward_ad.exit_dual_level()  # type: ignore[no-untyped-call]
 
     def hand_to_ranks(self, previous: ProcessState, states: list[RankState]) -> bool:
         """Give every rank what the caller changed since ``previous`` was put back.
@@ -177,41 +179,57 @@ class ProcessState:
         return bool(self.py_random != previous.py_random or self.numpy_rng != previous.numpy_rng)
 
 
-def environ_changes(since: dict[Any, Any]) -> dict[Any, Any]:
+def environ_changes(since: dict[Any, Any]) -> dict[str, str | None]:
     """The variables set (value) or removed (None) since the ``since`` snapshot, but the ranks' own."""
-    now = _environ_snapshot()
-    changes: dict[Any, Any] = {k: v for k, v in now.items() if since.get(k) != v}
-    changes.update({k: None for k in since.keys() - now.keys()})
+    before, now = _decoded(since), _decoded(_environ_snapshot())
+    changes: dict[str, str | None] = {k: v for k, v in now.items() if before.get(k) != v}
+    changes.update({k: None for k in before.keys() - now.keys()})
     for key in _RANK_KEYS:
         changes.pop(key, None)
     return changes
 
 
-def apply_environ_changes(changes: dict[Any, Any]) -> None:
+def apply_environ_changes(changes: dict[str, str | None]) -> None:
     """Set and remove what :func:`environ_changes` found."""
-    if not changes:
-        return
-    current = _environ_snapshot()
-    wanted = {k: v for k, v in current.items() if changes.get(k, v) is not None}
-    wanted.update({k: v for k, v in changes.items() if v is not None})
-    _restore_environ(wanted)
+    environ = os.environ
+    for key, value in changes.items():
+        if value is None:
+            environ.pop(key, None)
+        elif environ.get(key) != value:
+            environ[key] = value
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_env(rank: int) -> list[tuple[Any, Any]]:
-    """A rank's own variables, RANK and LOCAL_RANK, encoded (read-only: shared)."""
-    return _encoded({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+def _rank_env(rank: int) -> tuple[tuple[str, str], ...]:
+    """A rank's own variables, RANK and LOCAL_RANK."""
+    return (("RANK", str(rank)), ("LOCAL_RANK", str(rank)))
 
 
-@functools.lru_cache(maxsize=64)
-def _master_env() -> list[tuple[Any, Any]]:
-    # Never connected to: a rank's init_process_group adopts its group (see _patches).
-    return _encoded({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+# Never connected to: a rank's init_process_group adopts its group (see _patches).
+_MASTER_ENV = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"))
 
 
-def _world_env(world_size: int) -> list[tuple[Any, Any]]:
-    """The variables every rank of a world shares, encoded (read-only: shared)."""
-    return _encoded({"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
+def _world_env(world_size: int) -> tuple[tuple[str, str], ...]:
+    """The variables every rank of a world shares."""
+    return (("WORLD_SIZE", str(world_size)), ("LOCAL_WORLD_SIZE", str(world_size)))
+
+
+def _set_environ(items: tuple[tuple[str, str], ...]) -> None:
+    """Set environment variables that differ (runs at every hand-over, for RANK and LOCAL_RANK)."""
+    environ = os.environ
+    for key, value in items:
+        if environ.get(key) != value:
+            environ[key] = value
+
+
+def _forward_ad_level() -> int:
+    """The innermost forward-AD dual level (-1: none).
+
+    ``torch.autograd.forward_ad`` keeps it in the module global ``_current_level``
+    and has no getter (checked in torch 2.11-2.15).
+    """
+    level: int = forward_ad._current_level
+    return level
 
 
 def _deterministic() -> tuple[bool, bool]:
@@ -221,75 +239,43 @@ def _deterministic() -> tuple[bool, bool]:
     )
 
 
-def _environ_data() -> dict[bytes, bytes] | None:
-    """os.environ's encoded backing dict, where it has one (CPython on POSIX)."""
-    environ = os.environ
-    data = getattr(environ, "_data", None)
-    if not isinstance(data, dict) or not hasattr(environ, "encodekey") or not hasattr(environ, "encodevalue"):
-        return None
-    return data
+def _environ_data() -> dict[Any, Any] | None:
+    """os.environ's backing dict, where it has one (CPython keeps ``_data``: checked 3.10-3.13)."""
+    data = getattr(os.environ, "_data", None)
+    return data if isinstance(data, dict) else None
 
 
-# Setting RANK and LOCAL_RANK runs at every hand-over: with the encoding done once,
-# writing the backing dict and putenv directly costs half of os.environ[key] = value.
+# A world snapshots the environment when it starts and compares it when it ends.
+# os.environ decodes every variable when copied; its backing dict (encoded bytes on
+# POSIX) copies without that, a measurable share of a world's set-up and teardown
+# (benchmarks/bench_tricks.py). It is only read here; every write goes through os.environ.
 _ENVIRON_DATA = _environ_data()
 
 
-def _encoded(values: dict[str, str]) -> list[tuple[Any, Any]]:
-    environ: Any = os.environ
-    if _ENVIRON_DATA is None:
-        return list(values.items())
-    return [(environ.encodekey(k), environ.encodevalue(v)) for k, v in values.items()]
-
-
 def _environ_snapshot() -> dict[Any, Any]:
-    # os.environ's encoded backing dict copies in ~1 us; decoding every variable
-    # (dict(os.environ)) costs ~30 us, a noticeable part of a world's set-up. Encoded
-    # exactly where _restore_environ works on encoded keys, decoded where it does not.
+    """The environment as it is now, in the backing dict's form (compare with ``==`` only)."""
     data = _ENVIRON_DATA
     return dict(data) if data is not None else dict(os.environ)
 
 
-def _set_encoded(items: list[tuple[Any, Any]]) -> None:
-    """Set environment variables given as :func:`_encoded` pairs (runs at every hand-over)."""
-    data = _ENVIRON_DATA
-    if data is None:
-        for key, value in items:
-            os.environ[key] = value
-        return
-    for key, value in items:
-        if data.get(key) != value:  # what os.environ[key] = value does, without the encoding
-            os.putenv(key, value)
-            data[key] = value
+def _decoded(snapshot: dict[Any, Any]) -> dict[str, str]:
+    """A :func:`_environ_snapshot` as os.environ's keys and values."""
+    if _ENVIRON_DATA is None:
+        return dict(snapshot)
+    return {os.fsdecode(key): os.fsdecode(value) for key, value in snapshot.items()}
 
 
 def _restore_environ(saved: dict[Any, Any]) -> None:
-    data = _ENVIRON_DATA
-    if data is None:
-        _restore_decoded(saved)
+    if _environ_snapshot() == saved:
         return
-    if data == saved:
-        return
-    # what os.environ's __delitem__ and __setitem__ do, on keys and values already encoded
-    for key in data.keys() - saved.keys():
-        os.unsetenv(key)
-        del data[key]
-    _set_encoded(list(saved.items()))
-
-
-def _restore_decoded(saved: dict[Any, Any]) -> None:
-    current = _environ_snapshot()
-    if current == saved:
-        return
+    wanted = _decoded(saved)
     environ = os.environ
-    for key in current.keys() - saved.keys():
+    for key in environ.keys() - wanted.keys():
         del environ[key]
-    for key, value in saved.items():
-        if current.get(key) != value:
+    for key, value in wanted.items():
+        if environ.get(key) != value:
             environ[key] = value
 
-
-_MASTER_ENV = _master_env()
 
 # What a rank's own environment holds (set at hand-overs and at the world's start).
 _RANK_KEYS = [key for pairs in (_rank_env(0), _world_env(1), _MASTER_ENV) for key, _ in pairs]

@@ -33,7 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsim import _torch_private
+# torch's test helpers that meshsim.testing keeps (private: torch.testing._internal,
+# checked in torch 2.11-2.15). common_utils needs expecttest and takes about a second to
+# import: meshsim.testing is imported only by the suites that use it.
+from torch.testing._internal import common_distributed, common_utils
+from torch.testing._internal.distributed._tensor import common_dtensor
+
 from meshsim._errors import MeshError, RankError
 from meshsim._world import run
 
@@ -48,11 +53,14 @@ __all__ = [
 # do): a failure's report starts at the test's code, not at the launcher.
 __unittest = True
 
-_TorchTestCase: Any = _torch_private.torch_test_case()
-_DEFAULT_WORLD_SIZE, _NUM_DEVICES, _DEVICE_TYPE = _torch_private.distributed_test_defaults()
+_TorchTestCase: Any = common_utils.TestCase
+_DEFAULT_WORLD_SIZE = int(common_distributed.DEFAULT_WORLD_SIZE)
+_NUM_DEVICES, _DEVICE_TYPE = int(common_dtensor.NUM_DEVICES), str(common_dtensor.DEVICE_TYPE)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _MAIN_RANK = -1  # torch's MAIN_THREAD_RANK / MAIN_PROCESS_RANK: the caller, not a rank
 _NO_MESSAGE: Any = object()  # subTest() called without a message
+# the messages of torch's skip exit codes (TEST_SKIPS), by exit code
+_SKIP_MESSAGES = {skip.exit_code: skip.message for skip in common_distributed.TEST_SKIPS.values()}
 
 
 def _timeout() -> float:
@@ -102,7 +110,7 @@ def _skip_reason(error: BaseException) -> str | None:
     if isinstance(error, _skip_types()):
         return str(getattr(error, "msg", None) or error)
     if isinstance(error, SystemExit) and isinstance(error.code, int):
-        return _torch_private.test_skip_messages().get(error.code)
+        return _SKIP_MESSAGES.get(error.code)
     return None
 
 
@@ -414,7 +422,7 @@ class DTensorTestBase(_SimTestCase):
             "cpu:gloo,cuda:ncclx", "cpu:gloo,xpu:xccl",
             f"cpu:gloo,{self.device_type}:{dist.get_default_backend_for_device(self.device_type)}",
         }  # fmt: skip
-        needs_devices = any(name in backend for name in _torch_private.accelerator_backends())
+        needs_devices = any(name in backend for name in common_distributed.ACCELERATOR_DIST_BACKENDS)
         if needs_devices and torch.accelerator.device_count() < self.world_size:
             self.skipTest(f"Need at least {self.world_size} CUDA devices")
         if backend not in accepted:
@@ -439,12 +447,12 @@ class DTensorTestBase(_SimTestCase):
 
     def run_subtests(self, *args: Any, **kwargs: Any) -> None:
         """torch's ``run_subtests``: the test function once per combination, each a subtest."""
-        _torch_private.run_subtests(self, *args, **kwargs)
+        common_distributed.run_subtests(self, *args, **kwargs)
 
     def _test_op(self, mesh: Any, op_call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Check ``op_call`` on every sharding of its tensor arguments against the plain op."""
         expected = op_call(*args, **kwargs)
-        converter = _torch_private.dtensor_converter(mesh, args, kwargs)
+        converter = common_dtensor.DTensorConverter(mesh, args, kwargs)
         for dist_args, dist_kwargs in converter:
             self.assertEqual(converter.successful(), True)
             self.assertEqual(op_call(*dist_args, **dist_kwargs).full_tensor(), expected)

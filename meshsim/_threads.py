@@ -9,20 +9,20 @@ it is as good as new:
   joined before :func:`meshsim.run` returns);
 - torch's per-thread state (grad and inference modes, autocast, the mode stacks,
   dispatch key sets, DeviceMesh's mesh stack) is what it was when the thread was
-  new (:func:`meshsim._torch_private.thread_fingerprint`);
+  new (:func:`thread_fingerprint`);
 - at most :data:`MAX_IDLE` threads wait at a time, and each exits after
   :data:`IDLE_LIFETIME` seconds without work.
 
 An idle thread waits in one blocking read of its doorbell (see
-:mod:`meshsim._doorbell`: a timed wait costs a system call more, and the first
-wake-up of each rank of every world went through it, ~4% of a 4-rank world's
-set-up). While some wait, one more thread, ``meshsim-reaper``, wakes every
+:mod:`meshsim._doorbell`: a timed wait costs a system call more, on the first
+wake-up of each rank of every world). While some wait, one more thread, ``meshsim-reaper``, wakes every
 second to end the threads idle for too long; it ends when none is left.
 
 Each job starts as a new thread would: in an empty ``contextvars`` context, with
 ``threading``'s trace and profile hooks. ``threading.local`` values that user code
 leaves in a rank thread do carry over to the next world, as module globals do.
-``MESHSIM_REUSE_THREADS=0`` in the environment turns reuse off.
+``MESHSIM_REUSE_THREADS=0`` in the environment turns reuse off
+(``benchmarks/bench_tricks.py`` measures worlds with and without it).
 
 A worker's doorbell is also its rank's doorbell in the world it serves
 (:class:`meshsim._scheduler.Scheduler`): a rank not yet started sleeps at it, so
@@ -32,16 +32,19 @@ the first hand-over to a rank starts it, with no extra thread switch.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from meshsim import _torch_private
+import torch
+
 from meshsim._doorbell import Doorbell, EventBell, LockBell, eventfd_budget
 
-__all__ = ["Countdown", "Worker", "end_idle_threads", "give_back", "idle_count", "take"]
+__all__ = ["Countdown", "Worker", "end_idle_threads", "give_back", "idle_count", "take", "thread_fingerprint"]
 
 MAX_IDLE = 64  # idle threads kept at most; the rest of a bigger world's exit
 IDLE_LIFETIME = 10.0  # seconds an idle thread waits for work before it exits
@@ -134,7 +137,7 @@ class Worker:
             self.bell.close()
 
     def _loop(self) -> None:
-        new = _torch_private.thread_fingerprint()
+        new = thread_fingerprint()
         while True:
             if self._retire or self._abandon:
                 break
@@ -155,7 +158,7 @@ class Worker:
             # as threading starts a thread: its trace and profile hooks, an empty context
             _set_hooks(threading.gettrace(), threading.getprofile())
             contextvars.Context().run(job)
-            self.usable = _torch_private.thread_fingerprint() == new
+            self.usable = thread_fingerprint() == new
         except BaseException:  # the job catches what user code raises: this is an interrupt
             self.usable = False
         finally:
@@ -326,3 +329,36 @@ def _new_bell() -> Doorbell:
 def _eventfd_closed() -> None:
     with _EVENTFDS_LOCK:
         _EVENTFDS[0] -= 1
+
+
+def thread_fingerprint() -> tuple[Any, ...]:
+    """torch's per-thread state, to tell whether a finished rank thread is as good as new.
+
+    Grad, forward-grad and inference modes, the torch-function and dispatch mode
+    stacks (``set_default_device`` and ``autocast`` live there or in the dispatch
+    key sets), saved-tensor hooks and DeviceMesh's per-thread mesh stack: a rank
+    thread whose fingerprint differs from the one it had when new is not reused.
+    The ``torch._C`` getters are private (checked in torch 2.11-2.15).
+    """
+    C: Any = torch._C
+    mesh_env = _mesh_env()
+    return (
+        torch.is_grad_enabled(),
+        C._is_fwd_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        C._len_torch_function_stack(),
+        C._len_torch_dispatch_stack(),
+        C._dispatch_tls_local_include_set(),
+        C._dispatch_tls_local_exclude_set(),
+        C._autograd._saved_tensors_hooks_is_enabled(),
+        C._autograd._top_saved_tensors_default_hooks(True) is None,
+        len(getattr(mesh_env, "mesh_stack", ())),
+    )
+
+
+@functools.cache
+def _mesh_env() -> Any:
+    """DeviceMesh's per-thread mesh stack holder (a threading.local), None where torch has none."""
+    import torch.distributed.device_mesh as device_mesh
+
+    return getattr(device_mesh, "_mesh_resources", None)

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from meshsim._torch_private import completed_work
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
 __all__ = ["DONE", "ReceiveWork", "completed"]
 
@@ -23,8 +22,15 @@ Tensor = torch.Tensor
 
 
 def completed(result: object) -> dist.Work:
-    """A completed Work whose future holds ``result`` (an asynchronous call's)."""
-    return completed_work(result)
+    """A completed Work whose future holds ``result`` (an asynchronous call's).
+
+    ``_create_work_from_future`` is how torch's own Python process groups make one
+    (private, checked in torch 2.11-2.15).
+    """
+    future: torch.futures.Future[object] = torch.futures.Future()
+    future.set_result(result)
+    work: dist.Work = _create_work_from_future(future)
+    return work
 
 
 class _DoneWork(dist.Work):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
-from meshsim import _torch_private
+from meshsim import _patches, _thread_worlds
 from meshsim._backend import BACKEND_NAME, RankContext, current_rank, default_process_group
 from meshsim._loopback import loopback_environment
 from meshsim._recorder import DispatchRecorder
@@ -77,16 +77,16 @@ class SimRanks(Ranks):
 
     def store(self, scheduler: Scheduler) -> Store:
         store = SimStore(scheduler, current_rank)
-        self._group_store = _torch_private.default_group_store(store)
+        self._group_store = _thread_worlds.default_group_store(store)
         return store
 
     def init_default_group(self, context: RankContext, store: Store, timeout: float) -> None:
         assert self._group_store is not None  # store() ran at the world's start
         pg = default_process_group(context)
-        _torch_private.install_default_group(pg, BACKEND_NAME, self._group_store, context.world_size)
+        _thread_worlds.install_default_group(pg, BACKEND_NAME, self._group_store, context.world_size)
 
     def destroy_groups(self) -> None:
-        _torch_private.forget_groups()  # nothing to shut down: buffers are the world's
+        _thread_worlds.forget_groups()  # nothing to shut down: buffers are the world's
 
 
 class GlooRanks(Ranks):
@@ -109,13 +109,19 @@ class GlooRanks(Ranks):
         # A default group made again (user code destroyed it) meets on keys of its own.
         store = PrefixStore(f"again{context.inits}/", store) if context.inits else store
         context.inits += 1
-        _torch_private.init_process_group_unpatched(
+        _patches.init_process_group_unpatched(
             "gloo",
             rank=context.rank,
             world_size=context.world_size,
             store=store,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # gloo's init returns once this rank's side of every connection is up; a rank
+        # that went on to end (an empty body) would close a connection its peer was
+        # still setting up, failing the peer's init with "Connection closed by peer".
+        # Ranks leave together, through the store: no collective, nothing in ledgers.
+        store.set(f"connected/{context.rank}", "1")
+        store.wait([f"connected/{r}" for r in range(context.world_size)], datetime.timedelta(seconds=timeout))
 
     def destroy_groups(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,7 @@
-"""Pins meshsim's shortcuts through torch internals against the real torch calls they replace.
+"""Pins meshsim's per-thread c10d worlds against the real torch calls they replace.
 
 If a torch release changes what ``init_process_group`` records, these tests fail
-first, pointing at meshsim/_torch_private.py.
+first, pointing at meshsim/_thread_worlds.py.
 """
 
 from __future__ import annotations
@@ -57,30 +57,3 @@ def test_new_group_after_the_fast_default_group() -> None:
         return "", []
 
     assert meshsim.run(body, 3) == [("1", [0, 2]), ("", []), ("1", [0, 2])]
-
-
-def _fresh_options(op: Any) -> Any:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op  # torch reads it back as a new ReduceOp object on every access
-    return opts
-
-
-def test_reduce_op_names_by_hash_cover_every_kind_but_premul_sum() -> None:
-    from meshsim._torch_private import reduce_op_names_by_hash
-
-    expected = {name for name in dist.ReduceOp.RedOpType.__members__ if name != "PREMUL_SUM"}
-    # empty would mean the slow path on every collective, silently
-    assert set(reduce_op_names_by_hash().values()) == expected
-
-
-def test_reduce_op_reads_every_kind_from_fresh_options() -> None:
-    from meshsim._backend import _reduce_op
-
-    for name, kind in dist.ReduceOp.RedOpType.__members__.items():
-        if name == "PREMUL_SUM":
-            continue
-        assert _reduce_op(_fresh_options(kind)) == (name, None)
-        assert _reduce_op(_fresh_options(dist.ReduceOp(kind))) == (name, None)
-    premul = dist._make_nccl_premul_sum(2.5)  # type: ignore[attr-defined]
-    assert _reduce_op(_fresh_options(premul)) == ("PREMUL_SUM", 2.5)
-    assert _reduce_op(None) == ("SUM", None)
