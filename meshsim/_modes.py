@@ -99,8 +99,25 @@ class StaticSession:
         self.agreement = dist.new_group(backend="gloo", timeout=timeout)
 
     def stop(self) -> None:
+        """Leave the job once every rank is done with its session (rank 0's report printed)."""
+        self._leave_together()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _leave_together(self) -> None:
+        """Wait for every rank to reach the end of its session.
+
+        torchrun stops every worker as soon as one exits with an error; a rank that
+        failed a test and reports nothing ends first, and cut rank 0's report of the
+        failure short (seen with ledger snapshot diffs).
+        """
+        if self.agreement is None or not dist.is_initialized():
+            return  # not started, or the user's own clean-up ended the process group
+        try:
+            dist.barrier(group=self.agreement)  # bounded by the group's timeout (--mesh-timeout)
+        except RuntimeError:
+            pass  # a rank is gone: torchrun reports it
+
 
     def run(self, test: TestFunction, funcargs: dict[str, Any]) -> None:
         """Run the body here, then agree with every rank on the outcome (one small all_gather).
