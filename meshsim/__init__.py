@@ -6,6 +6,7 @@ See the README for a guide; every name below is documented where it is defined.
 from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError, StateLeakWarning
 from meshsim._ledger import Collective, Ledger, record
 from meshsim._perrank import per_rank
+from meshsim._snapshot import SnapshotMismatchError, check_snapshot
 from meshsim._threads import end_idle_threads
 from meshsim._world import run
 
@@ -16,7 +17,9 @@ __all__ = [
     "Ledger",
     "MeshError",
     "RankError",
+    "SnapshotMismatchError",
     "StateLeakWarning",
+    "check_snapshot",
     "end_idle_threads",
     "per_rank",
     "record",

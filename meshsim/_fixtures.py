@@ -188,4 +188,5 @@ PLACEHOLDERS: dict[str, PerRank] = {
     "distributed_mesh_2d": PerRank("distributed_mesh_2d", RankFixtures.distributed_mesh_2d),
     "make_mesh": PerRank("make_mesh", _mesh_builder),
     "ledger": PerRank("ledger", RankFixtures.open_ledger),
+    "ledger_snapshot": PerRank("ledger_snapshot", RankFixtures.open_ledger),  # the same ledger
 }

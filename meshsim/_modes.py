@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshsim._fixtures import RankFixtures, resolve
+from meshsim._ledger import Ledger
 from meshsim._outcomes import (
     CODES,
     FAILED,
@@ -36,19 +37,33 @@ __all__ = ["StaticSession", "TestFailedOnOtherRanks", "run_on_threads", "static_
 TestFunction = Callable[..., object]
 
 
-def _body(test: TestFunction, funcargs: dict[str, Any]) -> None:
+def _body(test: TestFunction, funcargs: dict[str, Any], record: bool) -> Ledger | None:
     fixtures = RankFixtures()
+    if record:
+        fixtures.open_ledger()
     kwargs = resolve(funcargs, fixtures)
     with fixtures.recording():
         test(**kwargs)
     fixtures.finish()  # the user fixtures built on this rank: the world ends with the test
+    return fixtures.ledger
 
 
 def run_on_threads(
-    test: TestFunction, funcargs: dict[str, Any], world_size: int, *, backend: str, timeout: float
-) -> None:
-    """Run the test body on ``world_size`` thread ranks (``backend`` "sim" or "gloo")."""
-    run(_body, world_size, args=(test, funcargs), backend=backend, timeout=timeout)
+    test: TestFunction,
+    funcargs: dict[str, Any],
+    world_size: int,
+    *,
+    backend: str,
+    timeout: float,
+    record: bool = False,
+) -> list[Ledger | None]:
+    """Run the test body on ``world_size`` thread ranks (``backend`` "sim" or "gloo").
+
+    Returns:
+        each rank's ledger of the body, rank 0's first: recorded when ``record`` is
+        true or the test asked for its ``ledger``, else None.
+    """
+    return run(_body, world_size, args=(test, funcargs, record), backend=backend, timeout=timeout)
 
 
 _STATIC_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -99,19 +114,48 @@ class StaticSession:
         self.agreement = dist.new_group(backend="gloo", timeout=timeout)
 
     def stop(self) -> None:
+        """Leave the job once every rank is done with its session (rank 0's report printed)."""
+        self._leave_together()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
-    def run(self, test: TestFunction, funcargs: dict[str, Any]) -> None:
+    def _leave_together(self) -> None:
+        """Wait for every rank to reach the end of its session.
+
+        torchrun stops every worker as soon as one exits with an error; a rank that
+        failed a test and reports nothing ends first, and cut rank 0's report of the
+        failure short (seen with ledger snapshot diffs).
+        """
+        if self.agreement is None or not dist.is_initialized():
+            return  # not started, or the user's own clean-up ended the process group
+        try:
+            dist.barrier(group=self.agreement)  # bounded by the group's timeout (--mesh-timeout)
+        except RuntimeError:
+            pass  # a rank is gone: torchrun reports it
+
+    def run(
+        self,
+        test: TestFunction,
+        funcargs: dict[str, Any],
+        *,
+        check: Callable[[list[Ledger]], object] | None = None,
+    ) -> None:
         """Run the body here, then agree with every rank on the outcome (one small all_gather).
 
         Every rank ends with the test's outcome (see :mod:`meshsim._outcomes`): a
         failure on any rank fails it everywhere; else a skip or xfail on any rank
         skips or xfails it everywhere, with that rank's reason.
+
+        Keyword args:
+            check: called on every rank, when the body passed on every rank, with every
+                rank's ledger of the body (gathered on the outcomes' group); what it
+                raises is this rank's failure.
         """
         fixtures = RankFixtures(cache=self.fixtures_cache)
         failure: BaseException | None = None
         try:
+            if check is not None:
+                fixtures.open_ledger()
             kwargs = resolve(funcargs, fixtures)
             # A fresh recorder per test numbers each group's calls from 0, as a new
             # simulated world does, so ledgers compare equal across modes.
@@ -119,6 +163,9 @@ class StaticSession:
                 test(**kwargs)
         except BaseException as exc:  # reported after every rank has had its say
             failure = exc
+        if check is not None:
+            mismatch = self._check(check, fixtures.ledger if failure is None else None)
+            failure = failure or mismatch
         here = kind_of(failure)
         kinds = self._outcomes(here)
         outcome, decider = combine(kinds)
@@ -138,6 +185,19 @@ class StaticSession:
             )
         assert decider is not None  # a skip or xfail came from somewhere
         raise outcome_exception(outcome, str(reasons[decider]), decider)
+
+    def _check(self, check: Callable[[list[Ledger]], object], mine: Ledger | None) -> BaseException | None:
+        """Gather every rank's ledger (None from a rank whose body failed) and check them if all came."""
+        ledgers: list[Ledger | None] = [None] * self.world_size
+        dist.all_gather_object(ledgers, mine, group=self.agreement)  # every rank takes part
+        complete = [ledger for ledger in ledgers if ledger is not None]
+        if len(complete) < self.world_size:
+            return None
+        try:
+            check(complete)
+        except BaseException as exc:
+            return exc
+        return None
 
     def _outcomes(self, here: str) -> list[str]:
         codes = torch.zeros(self.world_size, dtype=torch.int32)

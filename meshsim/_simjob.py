@@ -42,6 +42,7 @@ import pytest
 from meshsim import _thread_worlds
 from meshsim._backend import current_context, restart_numbering
 from meshsim._fixtures import RankFixtures, resolve
+from meshsim._ledger import Ledger
 from meshsim._session import Session
 
 __all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code"]
@@ -113,9 +114,16 @@ class SimulatedJob:
                 impl.function = function
             self._wrapped.clear()
 
-    def run_test(self, test: Callable[..., object], funcargs: dict[str, Any]) -> None:
-        """Run a test body on every rank of the job's world."""
-        self.session.call(self._body, test, funcargs)
+    def run_test(
+        self, test: Callable[..., object], funcargs: dict[str, Any], *, record: bool = False
+    ) -> list[Ledger | None]:
+        """Run a test body on every rank of the job's world.
+
+        Returns:
+            each rank's ledger of the body, rank 0's first: recorded when ``record`` is
+            true or the test asked for its ``ledger``, else None.
+        """
+        return self.session.call(self._body, test, funcargs, record)
 
     def finish_fixture(self, key: object, world: int) -> None:
         """Tear down a user fixture on the ranks that built it (if their world still runs)."""
@@ -186,17 +194,20 @@ class SimulatedJob:
             self._fixtures, self._fixtures_world = {}, self.session.worlds
         return self._fixtures.setdefault(context.rank, RankFixtures())
 
-    def _body(self, test: Callable[..., object], funcargs: dict[str, Any]) -> None:
+    def _body(self, test: Callable[..., object], funcargs: dict[str, Any], record: bool) -> Ledger | None:
         fixtures = self._rank_fixtures()
         # Each test's ledger is its own and numbers each group's calls from 0, as a
         # new world (or a torchrun static test) does.
         fixtures.ledger = None
         restart_numbering()
+        if record:
+            fixtures.open_ledger()
         kwargs = resolve(funcargs, fixtures)
         with fixtures.recording():
             test(**kwargs)
-        fixtures.ledger = None
+        ledger, fixtures.ledger = fixtures.ledger, None
         fixtures.finish(scope="function")
+        return ledger
 
     def _finish(self, key: object) -> None:
         self._rank_fixtures().finish(key)

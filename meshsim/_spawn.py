@@ -23,13 +23,26 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshsim._errors import RankError, format_user_traceback
+
+if TYPE_CHECKING:
+    from meshsim._ledger import Ledger
 
 __all__ = ["TestTarget", "run_in_processes"]
 
 _GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
+
+
+class _Outcome(NamedTuple):
+    """How a rank ended, as its child reports it: kind is "ok", "error", "skipped", "xfailed",
+    or (seen by the parent) "died" or "timeout"; ``ledger`` is the body's, on "ok" when recorded."""
+
+    kind: str
+    text: str
+    when: float
+    ledger: Ledger | None = None
 
 
 @dataclass(frozen=True)
@@ -60,9 +73,14 @@ class TestTarget:
 
 
 def run_in_processes(
-    target: TestTarget, funcargs: dict[str, Any], world_size: int, *, timeout: float
-) -> None:
-    """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails."""
+    target: TestTarget, funcargs: dict[str, Any], world_size: int, *, timeout: float, record: bool = False
+) -> list[Ledger | None]:
+    """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails.
+
+    Returns:
+        each rank's ledger of the body, rank 0's first, sent back by its process:
+        recorded when ``record`` is true or the test asked for its ``ledger``, else None.
+    """
     from meshsim._loopback import loopback_store
 
     store = loopback_store(world_size + 1, timeout=timeout)
@@ -72,7 +90,7 @@ def run_in_processes(
         parent_end, child_end = context.Pipe(duplex=False)
         child = context.Process(
             target=_child_main,
-            args=(target, funcargs, rank, world_size, store.port, timeout, child_end),
+            args=(target, funcargs, rank, world_size, store.port, timeout, record, child_end),
             name=f"meshsim-spawn-rank-{rank}",
             daemon=True,
         )
@@ -86,11 +104,12 @@ def run_in_processes(
         _reap(children)
         del store
     _raise_first_failure(outcomes, world_size)
+    return [outcomes[rank].ledger for rank in range(world_size)]
 
 
-def _collect(children: list[Any], pipes: list[Any], timeout: float) -> dict[int, tuple[str, str, float]]:
-    """Each rank's outcome: (kind, text, time); kind is "ok", "error", "died" or "timeout"."""
-    outcomes: dict[int, tuple[str, str, float]] = {}
+def _collect(children: list[Any], pipes: list[Any], timeout: float) -> dict[int, _Outcome]:
+    """Each rank's outcome."""
+    outcomes: dict[int, _Outcome] = {}
     deadline = time.monotonic() + timeout
     waiting = dict(enumerate(pipes))
     while waiting and time.monotonic() < deadline:
@@ -99,19 +118,21 @@ def _collect(children: list[Any], pipes: list[Any], timeout: float) -> dict[int,
             if pipe in ready:
                 outcomes[rank] = _receive(pipe, children[rank])
                 del waiting[rank]
-        if any(kind != "ok" for kind, _, _ in outcomes.values()):
+        if any(outcome.kind != "ok" for outcome in outcomes.values()):
             deadline = min(deadline, time.monotonic() + _GRACE)
     for rank in waiting:
-        outcomes[rank] = ("timeout", f"rank {rank} did not finish within {timeout:g} s", time.time())
+        outcomes[rank] = _Outcome("timeout", f"rank {rank} did not finish within {timeout:g} s", time.time())
     return outcomes
 
 
-def _receive(pipe: Any, child: Any) -> tuple[str, str, float]:
+def _receive(pipe: Any, child: Any) -> _Outcome:
     try:
         return pipe.recv()  # type: ignore[no-any-return]
     except (EOFError, OSError):
         child.join(1.0)
-        return ("died", f"the process exited with code {child.exitcode} before reporting", time.time())
+        return _Outcome(
+            "died", f"the process exited with code {child.exitcode} before reporting", time.time()
+        )
 
 
 def _reap(children: list[Any]) -> None:
@@ -123,7 +144,7 @@ def _reap(children: list[Any]) -> None:
         child.join(5.0)
 
 
-def _raise_first_failure(outcomes: dict[int, tuple[str, str, float]], world_size: int) -> None:
+def _raise_first_failure(outcomes: dict[int, _Outcome], world_size: int) -> None:
     """Raise for the rank that failed first: later failures are usually its consequences.
 
     A rank that skipped or xfailed first (``pytest.skip``, ``pytest.xfail``) decides
@@ -132,11 +153,11 @@ def _raise_first_failure(outcomes: dict[int, tuple[str, str, float]], world_size
     """
     from meshsim._outcomes import outcome_exception
 
-    ended = sorted((when, rank) for rank, (kind, _, when) in outcomes.items() if kind != "ok")
+    ended = sorted((outcome.when, rank) for rank, outcome in outcomes.items() if outcome.kind != "ok")
     if not ended:
         return
     rank = ended[0][1]
-    kind, text, _ = outcomes[rank]
+    kind, text = outcomes[rank].kind, outcomes[rank].text
     if kind in _SKIPS:
         raise outcome_exception(kind, text, rank)
     error = RankError(rank, world_size, text if kind == "error" else f"{kind}: {text}")
@@ -156,13 +177,14 @@ def _child_main(
     world_size: int,
     port: int,
     timeout: float,
+    record: bool,
     pipe: Any,
 ) -> None:
     _die_with_parent()
     try:
-        _run_rank(target, funcargs, rank, world_size, port, timeout, pipe)
+        _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe)
     except BaseException as exc:  # failed before or after the body: still report it
-        _report(pipe, ("error", format_user_traceback(exc), time.time()))
+        _report(pipe, _Outcome("error", format_user_traceback(exc), time.time()))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -171,7 +193,7 @@ def _child_main(
         os._exit(0)
 
 
-def _report(pipe: Any, outcome: tuple[str, str, float]) -> None:
+def _report(pipe: Any, outcome: _Outcome) -> None:
     try:
         pipe.send(outcome)
         pipe.close()
@@ -186,6 +208,7 @@ def _run_rank(
     world_size: int,
     port: int,
     timeout: float,
+    record: bool,
     pipe: Any,
 ) -> None:
     import torch
@@ -209,10 +232,12 @@ def _run_rank(
     try:
         test = target.load()
         fixtures = RankFixtures()
+        if record:
+            fixtures.open_ledger()
         kwargs = resolve(funcargs, fixtures)
         with DispatchRecorder(), fixtures.recording():
             test(**kwargs)
-        _report(pipe, ("ok", "", time.time()))
+        _report(pipe, _Outcome("ok", "", time.time(), fixtures.ledger))
     except BaseException as exc:
         # reported before the process group goes down: its closing sockets make the
         # other ranks fail too, and the parent must know who failed first
@@ -221,14 +246,14 @@ def _run_rank(
         dist.destroy_process_group()
 
 
-def _ended(exc: BaseException) -> tuple[str, str, float]:
+def _ended(exc: BaseException) -> _Outcome:
     """A rank's outcome for the parent: a skip or xfail with its reason, or an error with its traceback."""
     from meshsim._outcomes import FAILED, kind_of, reason_of
 
     kind = kind_of(exc)
     if kind == FAILED:
-        return ("error", format_user_traceback(exc), time.time())
-    return (kind, reason_of(exc), time.time())
+        return _Outcome("error", format_user_traceback(exc), time.time())
+    return _Outcome(kind, reason_of(exc), time.time())
 
 
 def _die_with_parent() -> None:

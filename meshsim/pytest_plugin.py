@@ -12,14 +12,20 @@ Ranks are threads on the in-memory backend by default (``--mesh-backend=sim``),
 threads on real gloo (``gloo``), or processes (``spawn``); under ``torchrun ...
 --multigpu-static`` each process is one rank of a real NCCL (or gloo) job.
 
+The ``ledger_snapshot`` fixture pins a test's per-rank ledgers to
+``__snapshots__/<module>.ledger.json`` beside its module (:mod:`meshsim._snapshot`);
+``--mesh-snapshot-update`` rewrites them.
+
 The plugin imports torch lazily: collecting a project that never uses it costs nothing.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator
+from collections import Counter
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -55,6 +61,7 @@ class _State:
 
 
 _STATE = pytest.StashKey[_State]()
+_SNAPSHOT = pytest.StashKey[str]()  # what a test's ledger snapshot check did: created, matched, updated
 _OWNS_SUITE_OPTIONS = pytest.StashKey[bool]()
 
 # PhysicsNeMo's suite options: a conftest may define them itself (theirs does).
@@ -123,6 +130,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="rank0",
         help="under --multigpu-static, which ranks print reports (default rank0)",
     )
+    group.addoption(
+        "--mesh-snapshot-update",
+        action="store_true",
+        default=False,
+        help="rewrite the ledger snapshots of tests that use the ledger_snapshot fixture "
+        "(__snapshots__/<module>.ledger.json beside each test module) instead of comparing",
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -184,8 +198,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "world(*sizes, backend=None): run the test body on each of these numbers of ranks; "
-        "fixtures rank, world_size, distributed_mesh, distributed_mesh_2d, make_mesh and ledger "
-        "are per rank. backend overrides --mesh-backend for this test.",
+        "fixtures rank, world_size, distributed_mesh, distributed_mesh_2d, make_mesh, ledger and "
+        "ledger_snapshot are per rank. backend overrides --mesh-backend for this test.",
     )
     config.addinivalue_line(
         "markers",
@@ -440,32 +454,75 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     names = inspect.signature(test).parameters
     funcargs = {name: pyfuncitem.funcargs[name] for name in names if name in pyfuncitem.funcargs}
     if state.static is not None:
-        state.static.run(test, funcargs)
+        # every process gets every rank's ledger; rank 0 alone writes the file
+        check = _snapshot_check(pyfuncitem, write=state.static.rank == 0)
+        state.static.run(test, funcargs, check=check)
         return True
-    if state.job is not None and pyfuncitem.get_closest_marker("world") is None:
-        from meshsim._errors import RankError
+    check = _snapshot_check(pyfuncitem, write=True)
+    ledgers = _run_ranks(pyfuncitem, state, spec, test, funcargs, record=check is not None)
+    if check is not None:
+        check([ledger for ledger in ledgers if ledger is not None])
+    return True
 
+
+def _run_ranks(
+    item: pytest.Function,
+    state: _State,
+    spec: WorldSpec,
+    test: Any,
+    funcargs: dict[str, Any],
+    *,
+    record: bool,
+) -> list[Any]:
+    """Run the body on the test's ranks in this pytest process's way; returns each rank's ledger (or None)."""
+    from meshsim._errors import RankError
+
+    if state.job is not None and item.get_closest_marker("world") is None:
         try:
-            state.job.run_test(test, funcargs)
+            return state.job.run_test(test, funcargs, record=record)
         except RankError as error:
             raise _decided(error) from None
-        return True
     backend = spec.backend or state.backend
-    size = _size(pyfuncitem, spec)
+    size = _size(item, spec)
     if backend == "spawn":
         from meshsim._spawn import TestTarget, run_in_processes
 
-        target = TestTarget(pyfuncitem.module.__name__, str(pyfuncitem.path), test.__qualname__)
-        run_in_processes(target, funcargs, size, timeout=state.timeout)
-        return True
-    from meshsim._errors import RankError
+        target = TestTarget(item.module.__name__, str(item.path), test.__qualname__)
+        return run_in_processes(target, funcargs, size, timeout=state.timeout, record=record)
     from meshsim._modes import run_on_threads
 
     try:
-        run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout)
+        return run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout, record=record)
     except RankError as error:
         raise _decided(error) from None
-    return True
+
+
+def _snapshot_check(item: pytest.Function, *, write: bool) -> Callable[[list[Any]], None] | None:
+    """For a test that uses ``ledger_snapshot``: what checks every rank's ledger against its file."""
+    if "ledger_snapshot" not in item.fixturenames:
+        return None
+    from meshsim._snapshot import SnapshotMismatchError, check_snapshot
+
+    path = _snapshot_file(item.path)
+    key = item.nodeid.split("::", 1)[-1]  # the test id without its file: moving the file keeps it
+    update = bool(item.config.getoption("mesh_snapshot_update"))
+
+    def check(ledgers: list[Any]) -> None:
+        try:
+            item.stash[_SNAPSHOT] = check_snapshot(path, key, ledgers, update=update, write=write)
+        except SnapshotMismatchError as error:
+            error.add_note(
+                "If the change is intended, rerun with --mesh-snapshot-update to rewrite the snapshot, "
+                "and review the file's diff."
+            )
+            raise
+
+    return check
+
+
+def _snapshot_file(module: Path) -> Path:
+    """Where ``module``'s ledger snapshots live: ``__snapshots__/<stem>.ledger.json`` beside it."""
+    return module.parent / "__snapshots__" / f"{module.stem}.ledger.json"
 
 
 def _refuse_per_rank_values(item: pytest.Function) -> None:
@@ -508,6 +565,9 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    snapshot = item.stash.get(_SNAPSHOT, None)
+    if snapshot is not None and call.when == "call":
+        report.meshsim_snapshot = snapshot  # type: ignore[attr-defined]  # travels to xdist's controller
     if call.excinfo is not None and call.when == "call":
         text = _mesh_failure(call.excinfo.value)
         if text is not None:
@@ -518,9 +578,10 @@ def pytest_runtest_makereport(
 def _mesh_failure(error: BaseException) -> str | None:
     """The report for a meshsim error: the failing rank's own traceback or the per-rank table."""
     from meshsim._errors import MeshError, RankError
+    from meshsim._snapshot import SnapshotMismatchError
 
     notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", []))
-    if isinstance(error, RankError):
+    if isinstance(error, (RankError, SnapshotMismatchError)):
         return f"{error}{notes}"
     if isinstance(error, MeshError):
         return f"{type(error).__name__}: {error}{notes}"
@@ -591,6 +652,36 @@ def ledger(request: pytest.FixtureRequest) -> Any:
     The same records on every backend: sim, gloo, spawn and ``--multigpu-static``.
     """
     return _placeholder(request, "ledger")
+
+
+@pytest.fixture
+def ledger_snapshot(request: pytest.FixtureRequest) -> Any:
+    """Pin the test's per-rank ledgers to a snapshot file beside its module; fail when they change.
+
+    The whole body's collectives are recorded on every rank (as ``ledger`` records
+    them; the value is that same :class:`meshsim.Ledger`) and, once the body has passed
+    on every rank, compared with the entry for this test id in
+    ``__snapshots__/<module>.ledger.json``: one line per call (op, api, group, dtype,
+    bytes in and out, reduce op, peer; no call sites). The first run writes the
+    entry; a later run whose collectives differ fails with a diff per rank;
+    ``--mesh-snapshot-update`` rewrites it. Every backend and ``--multigpu-static``
+    share the file. ``@pytest.mark.usefixtures("ledger_snapshot")`` works too.
+    """
+    return _placeholder(request, "ledger_snapshot")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line on what ledger snapshot checks did, when a test used ``ledger_snapshot``."""
+    done = Counter(
+        outcome
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if (outcome := getattr(report, "meshsim_snapshot", None)) is not None
+    )
+    if done:
+        words = {"created": "written", "updated": "rewritten", "matched": "unchanged"}
+        parts = [f"{done[kind]} {word}" for kind, word in words.items() if done[kind]]
+        terminalreporter.write_line(f"meshsim: ledger snapshots: {', '.join(parts)}")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
