@@ -42,8 +42,8 @@ class Doorbell(Protocol):
     def ring(self) -> None:
         """Wake the waiter, or let its next wait return at once; rings before a wait add up to one."""
 
-    def wait(self, timeout: float) -> None:
-        """Return when rung (or at once if rung since the last wait), or after ``timeout`` s."""
+    def wait(self, timeout: float) -> bool:
+        """Return True when rung (at once if rung since the last wait), False after ``timeout`` s."""
 
     def park(self) -> None:
         """:meth:`wait` without a timeout of its own: only where something else is sure to ring it."""
@@ -65,8 +65,8 @@ class LockBell:
         except RuntimeError:
             pass  # already rung: a wake-up is pending, which is all a ring means
 
-    def wait(self, timeout: float) -> None:
-        self._lock.acquire(timeout=timeout)
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=timeout)
 
     def park(self) -> None:
         self._lock.acquire(timeout=_PARK_LIMIT)  # costs nothing more than an unbounded acquire
@@ -91,9 +91,11 @@ class EventBell:
     def ring(self) -> None:
         os.eventfd_write(self._fd, 1)
 
-    def wait(self, timeout: float) -> None:
-        if self._poll.poll(timeout * 1000):
-            os.eventfd_read(self._fd)  # resets the count: rings before this wait count once
+    def wait(self, timeout: float) -> bool:
+        if not self._poll.poll(timeout * 1000):
+            return False
+        os.eventfd_read(self._fd)  # resets the count: rings before this wait count once
+        return True
 
     def park(self) -> None:
         os.eventfd_read(self._fd)  # blocks until rung; resets the count

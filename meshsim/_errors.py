@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 from collections.abc import Mapping, Sequence
 
@@ -49,7 +50,44 @@ class RankError(MeshError):
         )
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.rank, self.world_size, self.rank_traceback))
+        failures = tuple((rank, _portable(exc)) for rank, exc in self.failures)
+        return (
+            _rebuild_rank_error,
+            (type(self), self.rank, self.world_size, self.rank_traceback, failures),
+            _notes(self),
+        )
+
+
+def _rebuild_rank_error(
+    cls: type[RankError],
+    rank: int,
+    world_size: int,
+    rank_traceback: str,
+    failures: tuple[tuple[int, BaseException], ...],
+) -> RankError:
+    error = cls(rank, world_size, rank_traceback, failures)
+    first = dict(failures).get(rank)
+    if first is not None:
+        error.__cause__ = first
+    return error
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError that names its type and message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception as why:  # anything an exception's own pickling raises
+        return RuntimeError(
+            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} (the original could not be "
+            f"pickled: {type(why).__name__}: {why})"
+        )
+    return exc
+
+
+def _notes(exc: BaseException) -> dict[str, object]:
+    """What pickling an exception keeps besides its arguments: its notes (``add_note``)."""
+    notes = getattr(exc, "__notes__", None)
+    return {"__notes__": list(notes)} if notes else {}
 
 
 class CollectiveMismatchError(MeshError):
@@ -79,7 +117,7 @@ class CollectiveMismatchError(MeshError):
         self.calls = dict(calls or {})
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_mismatch, (str(self), self.group, self.seq, self.ranks, self.calls))
+        return (_rebuild_mismatch, (str(self), self.group, self.seq, self.ranks, self.calls), _notes(self))
 
 
 def _rebuild_mismatch(
@@ -116,7 +154,7 @@ class DeadlockError(MeshError):
         self.ranks = ranks
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_deadlock, (str(self), self.states, self.timed_out, self.ranks))
+        return (_rebuild_deadlock, (str(self), self.states, self.timed_out, self.ranks), _notes(self))
 
 
 def _rebuild_deadlock(

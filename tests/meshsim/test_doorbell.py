@@ -1,4 +1,9 @@
-"""Doorbells, the way a parked rank thread is woken: eventfds where possible, locks elsewhere."""
+"""Doorbells, the way a parked rank thread is woken: eventfds where possible, locks elsewhere.
+
+Every test here is ordered by what it waits for, never by sleeping: a wait that
+should end is bounded by a long timeout whose expiry fails the test, and a wait that
+should not end is a zero-timeout ``wait`` that returns False.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -14,7 +19,6 @@ import torch.distributed as dist
 
 import meshsim
 from meshsim import _doorbell, _threads, _world
-from meshsim import _scheduler as _scheduler_module
 from meshsim._collectives import Barrier
 from meshsim._doorbell import Doorbell, EventBell, LockBell
 from meshsim._rendezvous import Call, Rendezvous
@@ -25,225 +29,171 @@ KINDS = [pytest.param(LockBell, id="lock")]
 if hasattr(os, "eventfd"):
     KINDS.append(pytest.param(EventBell, id="eventfd"))
 
+LONG = 30.0  # a wait that should end: if it runs out, the test fails
+
 
 @pytest.fixture(params=KINDS)
-def bell(request: pytest.FixtureRequest) -> Doorbell:
+def bell(request: pytest.FixtureRequest) -> Iterator[Doorbell]:
     made: Doorbell = request.param()
     yield made
     made.close()
 
 
-def test_a_ring_before_the_wait_lets_it_return_at_once(bell: Doorbell) -> None:
+def test_a_wait_without_a_ring_times_out(bell: Doorbell) -> None:
+    assert bell.wait(0.0) is False
+    assert bell.wait(0.01) is False
+
+
+def test_a_ring_before_the_wait_is_kept_for_it(bell: Doorbell) -> None:
     bell.ring()
-    start = time.monotonic()
-    bell.wait(5.0)
-    assert time.monotonic() - start < 1.0
+    assert bell.wait(LONG) is True
+    assert bell.wait(0.0) is False  # used up
 
 
 def test_rings_before_a_wait_count_once(bell: Doorbell) -> None:
     bell.ring()
     bell.ring()
-    bell.wait(5.0)
-    start = time.monotonic()
-    bell.wait(0.05)  # nothing pending: this one times out
-    assert time.monotonic() - start >= 0.04
+    assert bell.wait(LONG) is True
+    assert bell.wait(0.0) is False
 
 
-def test_a_ring_wakes_a_waiting_thread(bell: Doorbell) -> None:
-    woke = threading.Event()
-
-    def waiter() -> None:
-        bell.wait(5.0)
-        woke.set()
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    time.sleep(0.05)
-    assert not woke.is_set()
-    bell.ring()
-    assert woke.wait(2.0)
-    thread.join(2.0)
+def test_a_ring_from_another_thread_ends_a_wait(bell: Doorbell) -> None:
+    results: list[bool] = []
+    waiter = threading.Thread(target=lambda: results.append(bell.wait(LONG)))
+    waiter.start()
+    bell.ring()  # before or during the wait: either way it ends it
+    waiter.join(LONG)
+    assert results == [True]
 
 
-def test_a_park_returns_when_rung_and_rings_before_it_count_once(bell: Doorbell) -> None:
+def test_a_park_uses_up_the_rings_before_it_and_ends_on_a_ring(bell: Doorbell) -> None:
     bell.ring()
     bell.ring()
-    start = time.monotonic()
-    bell.park()  # rung before: returns at once
-    assert time.monotonic() - start < 1.0
-    bell.wait(0.05)  # both rings were used up by the park
-    assert time.monotonic() - start >= 0.04
+    bell.park()  # rung before: returns
+    assert bell.wait(0.0) is False  # both rings went to the park
 
     parked = threading.Thread(target=bell.park, daemon=True)  # never keeps the process up
     parked.start()
-    time.sleep(0.05)
-    assert parked.is_alive()
     bell.ring()
-    parked.join(2.0)
+    parked.join(LONG)
     assert not parked.is_alive()
 
 
-def _nothing() -> None:
-    pass
+def _ring_all_reduce() -> list[float]:
+    x = torch.full((3,), float(dist.get_rank()))
+    for _ in range(20):
+        dist.all_reduce(x)
+        dist.barrier()
+    return x.tolist()
 
 
-def _scheduler(world_size: int) -> tuple[Scheduler, list[Doorbell]]:
-    bells: list[Doorbell] = [_threads._new_bell() for _ in range(world_size)]
-    nothing = [_nothing] * world_size
-    sched = Scheduler(world_size, bells, serialize=True, switch_out=nothing, switch_in=nothing)
-    return sched, bells
-
-
-def test_a_nudge_wakes_a_parked_rank_whose_wake_up_was_lost() -> None:
-    sched, bells = _scheduler(1)
-    started = threading.Event()
-    thread = threading.Thread(target=lambda: (sched.start(0), started.set()), daemon=True)
-    thread.start()
-    try:
-        time.sleep(0.1)
-        assert not started.is_set()  # parked: not its turn yet
-        sched._holder = 0  # its turn, as a hand-over would make it, but with no ring
-        time.sleep(0.1)
-        assert not started.is_set()
-        sched.nudge()
-        assert started.wait(2.0)
-    finally:
-        sched.abort(RuntimeError("test over"))
-        thread.join(2.0)
-        for bell in bells:
-            bell.close()
-
-
-def test_the_world_nudges_parked_ranks_so_a_lost_wake_up_costs_a_nudge_period(
+def test_the_world_nudges_parked_ranks_so_a_lost_wake_up_is_not_a_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = _scheduler_module._ring
-    dropped: list[int] = []
+    """Rank 0's first wake-up of rank 1 is lost; the world's nudges start rank 1 anyway.
 
-    def lossy(bells: list[Doorbell], ranks: Sequence[int]) -> None:
-        if 1 in ranks and not dropped and threading.current_thread().name == "meshsim-rank-0":
-            dropped.append(1)  # the first wake-up rank 0 sends rank 1 is lost
-            ranks = [r for r in ranks if r != 1]
-        real(bells, ranks)
-
-    monkeypatch.setattr(_scheduler_module, "_ring", lossy)
-    monkeypatch.setattr(_world, "SAFETY_POLL", 0.2)  # the nudges' period
-    start = time.monotonic()
-    assert meshsim.run(_ring_all_reduce, 2, timeout=30.0) == [[2.0**19] * 3] * 2
-    assert dropped == [1]
-    assert time.monotonic() - start < 10.0  # not the 30 s timeout
-
-
-class _CountingBell:
-    """A lock doorbell that counts its rings."""
-
-    def __init__(self) -> None:
-        self.rings = 0
-        self._bell = LockBell()
-
-    def ring(self) -> None:
-        self.rings += 1
-        self._bell.ring()
-
-    def wait(self, timeout: float) -> None:
-        self._bell.wait(timeout)
-
-    def park(self) -> None:
-        self._bell.park()
-
-    def close(self) -> None:
-        self._bell.close()
-
-
-def _parked_in_a_wait(sched: Scheduler, rank: int) -> bool:
-    """Whether ``rank`` waits and sleeps at its doorbell, so that only a ring wakes it."""
-    with sched.lock:
-        return sched._state[rank] == "blocked" and sched._parked[rank]
-
-
-_Actions = tuple[Callable[[], None], Callable[[], None]]
-
-
-def _rings_while(make: Callable[[Scheduler], _Actions]) -> int:
-    """How often rank 0's doorbell rang while this thread ran a wake-up, counted as it returned.
-
-    ``make(scheduler)`` gives ``(wait, wake)``. Rank 0 runs ``wait`` in a thread of its
-    own and sleeps in it; then this thread, as rank 1, runs ``wake``. The world is
-    not serialized, so nothing but that wake-up rings rank 0 meanwhile.
+    Without nudges the world would make no progress and fail at its timeout, long
+    before the test's own.
     """
-    bells = [_CountingBell(), _CountingBell()]
-    nothing = [_nothing] * 2
+    dropped: list[str] = []
+    for kind in (LockBell, EventBell):
+        real = kind.ring
+
+        def lossy(self: Doorbell, real: Callable[[Doorbell], None] = real) -> None:
+            if not dropped and threading.current_thread().name == "meshsim-rank-0":
+                dropped.append(type(self).__name__)
+                return
+            real(self)
+
+        monkeypatch.setattr(kind, "ring", lossy)
+    monkeypatch.setattr(_world, "SAFETY_POLL", 0.05)  # the nudges' period
+    assert meshsim.run(_ring_all_reduce, 2, timeout=5.0) == [[2.0**19] * 3] * 2
+    assert len(dropped) == 1
+
+
+# -- an unserialized scheduler: a woken rank runs at once ----------------------------------
+# Without serialization a rank must run as soon as what it waits for is done. A wake-up
+# left pending until the waker's next call into the scheduler would keep it parked while
+# the waker went on; here the waker goes on to wait for the woken rank, outside meshsim.
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + LONG
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0)
+
+
+def _woken_while_the_waker_waits(
+    make: Callable[[Scheduler], tuple[Callable[[], None], Callable[[], None]]],
+) -> bool:
+    """Rank 0 (a thread) runs ``wait``; once it is blocked there, rank 1 (this thread) runs
+    ``wake`` and then waits, outside the scheduler, for rank 0 to get through."""
+    bells = [LockBell(), LockBell()]
+    nothing = [lambda: None] * 2
     sched = Scheduler(2, bells, serialize=False, switch_out=nothing, switch_in=nothing)
     wait, wake = make(sched)
+    started, through = threading.Event(), threading.Event()
 
     def rank_0() -> None:
         sched.start(0)
+        started.set()
         wait()
+        through.set()
 
     thread = threading.Thread(target=rank_0, daemon=True)
     thread.start()
     try:
         sched.begin()
-        sched.start(1)  # rank 1 is this thread
-        deadline = time.monotonic() + 5.0
-        while not _parked_in_a_wait(sched, 0):
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        rings = bells[0].rings
+        sched.start(1)
+        assert started.wait(LONG)
+        _until(lambda: sched.running_idents() == [threading.get_ident()])  # rank 0 blocked in `wait`
         wake()
-        rung = bells[0].rings - rings
-        thread.join(2.0)
-        assert not thread.is_alive()
-        return rung
+        return through.wait(LONG)
     finally:
         sched.abort(RuntimeError("test over"))
-        thread.join(2.0)
+        thread.join(LONG)
 
 
-# Without serialization a rank runs as soon as it is woken: a wake-up left pending
-# until the next release of the lock kept it parked while the waker ran on.
-
-
-def test_the_last_rank_to_arrive_wakes_the_others_before_it_goes_on() -> None:
-    def make(sched: Scheduler) -> _Actions:
+def test_the_last_rank_to_arrive_lets_the_others_run_before_it_goes_on() -> None:
+    def make(sched: Scheduler) -> tuple[Callable[[], None], Callable[[], None]]:
         rendezvous = Rendezvous(sched)
         group = rendezvous.group("g", (0, 1), 0)
-
-        def barrier(rank: int) -> Call:
-            return Call(rank, Barrier(), (), "here")
-
         return (
-            lambda: rendezvous.meet(group, 0, barrier(0), 0),
-            lambda: rendezvous.meet(group, 0, barrier(1), 1),
+            lambda: rendezvous.meet(group, 0, Call(0, Barrier(), (), "here"), 0),
+            lambda: rendezvous.meet(group, 0, Call(1, Barrier(), (), "here"), 1),
         )
 
-    assert _rings_while(make) == 1
+    assert _woken_while_the_waker_waits(make)
 
 
-def test_a_store_write_wakes_the_ranks_waiting_for_its_key_before_it_returns() -> None:
-    def make(sched: Scheduler) -> _Actions:
+def test_a_store_write_lets_the_ranks_waiting_for_its_key_run_before_it_returns() -> None:
+    def make(sched: Scheduler) -> tuple[Callable[[], None], Callable[[], None]]:
         store = SimStore(sched, lambda: 1 if threading.current_thread() is threading.main_thread() else 0)
         return lambda: store.wait(["key"]), lambda: store.set("key", b"value")
 
-    assert _rings_while(make) == 1
+    assert _woken_while_the_waker_waits(make)
 
 
-def _take_and_retire(count: int) -> list[type]:
+# -- which doorbell a rank thread gets ------------------------------------------------------
+
+
+def _new_threads_bells(count: int) -> list[type]:
     """The doorbell kinds of ``count`` new rank threads (never started, then retired)."""
     meshsim.end_idle_threads()  # idle threads' eventfds count against the budget
     workers, fresh = _threads.take(count)
     assert fresh == workers
     kinds = [type(w.bell) for w in workers]
     for worker in workers:
-        assert worker.retire(1.0)
+        assert worker.retire(LONG)
     return kinds
 
 
 @pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
 def test_rank_threads_past_the_descriptor_share_use_locks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_doorbell, "_fd_limit", lambda: 64)  # 64 // 16 = 4 eventfds at most
-    assert _take_and_retire(6) == [EventBell] * 4 + [LockBell] * 2
-    assert _take_and_retire(6) == [EventBell] * 4 + [LockBell] * 2  # closed ones were given back
+    assert _new_threads_bells(6) == [EventBell] * 4 + [LockBell] * 2
+    assert _new_threads_bells(6) == [EventBell] * 4 + [LockBell] * 2  # closed ones were given back
 
 
 @pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
@@ -259,44 +209,35 @@ def test_running_out_of_descriptors_falls_back_to_locks(monkeypatch: pytest.Monk
         return fd
 
     monkeypatch.setattr(os, "eventfd", scarce)
-    assert _take_and_retire(4) == [EventBell] * 2 + [LockBell] * 2
+    assert _new_threads_bells(4) == [EventBell] * 2 + [LockBell] * 2
     for fd in made:  # retiring a thread closes its doorbell
         with pytest.raises(OSError):
             os.fstat(fd)
 
 
-def _ring_all_reduce() -> list[float]:
-    x = torch.full((3,), float(dist.get_rank()))
-    for _ in range(20):
-        dist.all_reduce(x)
-        dist.barrier()
-    return x.tolist()
-
-
-@pytest.mark.parametrize(
-    ("fd_limit", "kind"), [(1 << 16, "EventBell"), (0, "LockBell")], ids=["eventfd", "lock"]
-)
+@pytest.mark.parametrize(("fd_limit", "kind"), [(1 << 16, EventBell), (0, LockBell)], ids=["eventfd", "lock"])
 def test_worlds_run_the_same_on_either_doorbell(
-    monkeypatch: pytest.MonkeyPatch, fd_limit: int, kind: str
+    monkeypatch: pytest.MonkeyPatch, fd_limit: int, kind: type
 ) -> None:
-    if kind == "EventBell" and not hasattr(os, "eventfd"):
+    if kind is EventBell and not hasattr(os, "eventfd"):
         pytest.skip("eventfd is Linux-only")
     monkeypatch.setattr(_doorbell, "_fd_limit", lambda: fd_limit)
     meshsim.end_idle_threads()  # new rank threads, with doorbells made under this limit
-    results = meshsim.run(_ring_all_reduce, 4)
-    expected = [6.0 * 4.0**19] * 3
-    assert results == [expected] * 4
-    idle = _threads._POOL.take_all()
+    assert meshsim.run(_ring_all_reduce, 4) == [[6.0 * 4.0**19] * 3] * 4
+    idle, fresh = _threads.take(4)  # the world's threads, idle again
+    assert fresh == []
+    assert [type(w.bell) for w in idle] == [kind] * 4
     for worker in idle:
-        assert worker.retire(5.0)
-    assert [type(w.bell).__name__ for w in idle] == [kind] * 4
+        assert worker.retire(LONG)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
 def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None:
+    release = threading.Event()
+
     def body() -> None:
         if dist.get_rank() == 1:
-            time.sleep(2.5)  # in C: the stop cannot interrupt it
+            release.wait(LONG)  # in C: the stop cannot interrupt it
         dist.barrier()
 
     def eventfds() -> int:
@@ -318,6 +259,8 @@ def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None
     del info  # the error's traceback holds the world
     stuck = [t for t in threading.enumerate() if t.name == "meshsim-rank-1"]
     assert len(stuck) == 1
-    stuck[0].join(10.0)
+    assert eventfds() > before  # the stuck thread still holds its doorbell
+    release.set()
+    stuck[0].join(LONG)
     gc.collect()
     assert eventfds() == before

@@ -7,8 +7,10 @@ class and ``timed_out`` proves that detection was immediate.
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
+import threading
 import time
 
 import pytest
@@ -419,3 +421,72 @@ def test_an_interrupt_swallowed_by_a_finalizer_is_raised_again() -> None:
             meshsim.run(body, 2, serialize=False, timeout=30)
         assert getattr(info.value, "__notes__", []) == []  # no rank thread left behind
     assert seen == ["WorldAborted"] * 5
+
+
+# -- errors pickle whole: spawned ranks and xdist workers send them across processes ----
+
+
+class _HoldsALock(Exception):
+    """An exception that cannot be pickled (it holds a lock)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def _raise_a_key_error() -> None:
+    raise KeyError(f"rank {dist.get_rank()}'s key")
+
+
+def test_a_rank_error_pickles_with_every_failure_its_cause_and_notes() -> None:
+    with pytest.raises(meshsim.RankError) as info:
+        meshsim.run(_raise_a_key_error, 2)
+    first = info.value
+    # as a world whose ranks both raised would report it; rank 1's exception cannot be pickled
+    failures = [(first.rank, first.__cause__), (1 - first.rank, _HoldsALock("holds a lock"))]
+    error = meshsim.RankError(first.rank, 2, first.rank_traceback, failures)
+    error.__cause__ = first.__cause__
+    error.add_note("a note added by the caller")
+
+    copy = pickle.loads(pickle.dumps(error))
+
+    assert type(copy) is meshsim.RankError
+    assert (copy.rank, copy.world_size, copy.rank_traceback, str(copy), copy.__notes__) == (
+        error.rank,
+        2,
+        error.rank_traceback,
+        str(error),
+        ["a note added by the caller"],
+    )
+    assert "raised too" in str(copy)
+    copied = dict(copy.failures)
+    assert type(copied[first.rank]) is KeyError
+    assert copied[first.rank].args == (f"rank {first.rank}'s key",)
+    assert copy.__cause__ is copied[first.rank]
+    # the lock-holding exception comes back as a RuntimeError that names it
+    assert type(copied[1 - first.rank]) is RuntimeError
+    assert "_HoldsALock: holds a lock (the original could not be pickled: TypeError" in str(
+        copied[1 - first.rank]
+    )
+
+
+def test_mismatch_and_deadlock_errors_pickle_with_their_fields_and_notes() -> None:
+    def mismatch() -> None:
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(2))
+        else:
+            dist.broadcast(torch.ones(2), 0)
+
+    def deadlock() -> None:
+        if dist.get_rank() == 0:
+            dist.barrier()
+
+    for body, kind in ((mismatch, meshsim.CollectiveMismatchError), (deadlock, meshsim.DeadlockError)):
+        with pytest.raises(kind) as info:
+            meshsim.run(body, 2)
+        error = info.value
+        error.add_note("a note added by the caller")
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is kind
+        assert str(copy) == str(error)
+        assert vars(copy) == vars(error)  # every field, notes included
