@@ -101,6 +101,9 @@ def _same(value: Any) -> Any:
     return value
 
 
+# the module objects whose state is declared (a reloaded module is a new object)
+_DECLARED: dict[str, ModuleType] = {}
+
 # module name -> what to declare once it has loaded
 _INTEGRATIONS: dict[str, Callable[[ModuleType], None]] = {
     "warnings": _warnings,
@@ -122,8 +125,9 @@ def install() -> Callable[[], None]:
     sys.meta_path.insert(0, hook)
     for name, declare_state in _INTEGRATIONS.items():
         module = sys.modules.get(name)
-        if module is not None:
+        if module is not None and module is not _DECLARED.get(name):
             declare_state(module)
+            _DECLARED[name] = module  # declarations last: the next world need not look again
 
     def undo() -> None:
         if hook in sys.meta_path:
@@ -154,6 +158,7 @@ class ImportHook(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             execute(module)
             declare_state(module)
+            _DECLARED[fullname] = module
 
         loader.exec_module = exec_module  # this spec's own loader object
         return spec

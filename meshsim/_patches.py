@@ -172,11 +172,10 @@ def _adopting_init_process_group() -> Undo:
     ``distributed_c10d``; code that imported the name before the patch keeps torch's.
     """
     original = cast(Callable[..., None], c10d.init_process_group)
-    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(*args, **kwargs)
+        bound = _signature(original).bind(*args, **kwargs)
         bound.apply_defaults()
         if _adopt(dict(bound.arguments)):
             return None
@@ -190,6 +189,11 @@ def _adopting_init_process_group() -> Undo:
         dist.init_process_group = original
 
     return undo
+
+
+@functools.lru_cache(maxsize=4)
+def _signature(function: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(function)  # looked up on the first call, not at every world's start
 
 
 def init_process_group_unpatched(*args: Any, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ import operator
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["PerRankState", "WorldSlots", "per_rank"]
 
@@ -120,24 +120,31 @@ class _Registry:
         self.lock = threading.Lock()
         self.slots: tuple[_Slot, ...] = ()
         self.version = 0
+        self._taken: dict[tuple[int, str | None], _Slot] = {}
+        # the last order and plan WorldSlots._order made, keyed by the slots it ordered
+        self.plan: tuple[Any, list[int], _Plan] | None = None
 
     def add(self, slots: Sequence[_Slot]) -> None:
         with self.lock:
-            taken = {(id(s.owner), s.name) for s in self.slots}
             for slot in slots:
-                if (id(slot.owner), slot.name) in taken or (id(slot.owner), None) in taken:
+                if (id(slot.owner), slot.name) in self._taken or (id(slot.owner), None) in self._taken:
                     raise ValueError(f"{slot.label} is already declared per rank")
             self.slots = (*self.slots, *slots)
+            self._taken.update(((id(slot.owner), slot.name), slot) for slot in slots)
             self.version += 1
 
     def remove(self, slots: Sequence[_Slot]) -> None:
         with self.lock:
             gone = {id(s) for s in slots}
             self.slots = tuple(s for s in self.slots if id(s) not in gone)
+            for slot in slots:
+                if self._taken.get((id(slot.owner), slot.name)) is slot:
+                    del self._taken[(id(slot.owner), slot.name)]
             self.version += 1
 
     def declared(self, owner: Any, name: str | None) -> bool:
-        return any(s.owner is owner and s.name == name for s in self.slots)
+        slot = self._taken.get((id(owner), name))
+        return slot is not None and slot.owner is owner
 
 
 _REGISTRY = _Registry()
@@ -224,18 +231,31 @@ def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None
     return PerRankState(slots)
 
 
+def copy_container(value: Any) -> Any:
+    """A shallow copy of a dict, list or set (their own ``copy``, in C); anything else as it is.
+
+    For values that a rank changes by rebinding or by mutating a container: hook
+    tables, filter lists, registries. Strings, numbers, functions and None cannot be
+    changed in place, so ranks may share them.
+    """
+    if isinstance(value, (dict, list, set)):
+        return value.copy()
+    return value
+
+
 def declare(
     owner: object,
     name: str,
     *,
-    duplicate: Callable[[Any], Any] = copy.copy,
+    duplicate: Callable[[Any], Any] = copy_container,
     after_set: Callable[[], None] | None = None,
 ) -> None:
     """Declare ``owner.name`` per rank for meshsim's own use (torch's and the stdlib's process state).
 
-    As :func:`per_rank`, but each rank starts from ``duplicate(caller's value)`` (a
-    shallow copy by default: hook tables hold functions bound to live objects), and
-    nothing is declared twice. Not undone: it is inert outside worlds.
+    As :func:`per_rank`, but each rank starts from ``duplicate(caller's value)``
+    (:func:`copy_container` by default: hook tables hold functions bound to live
+    objects, so a shallow copy), and nothing is declared twice. Not undone: it is
+    inert outside worlds.
     """
     if not declared(owner, name):
         _REGISTRY.add((_Slot(owner, name, None, duplicate, after_set),))
@@ -255,6 +275,10 @@ class WorldSlots:
     module's values with one ``itemgetter`` and loads them with one ``dict.update``:
     a Python-level loop over some twenty slots, four times per collective, cost more
     than the collective's own bookkeeping.
+
+    A module's run of globals whose ranks all start from the caller's very objects
+    (flags, names, objects declared to be shared) is *shared* until a rank rebinds
+    one: while it is, a hand-over only checks it on the way out, and loads nothing.
     """
 
     def __init__(self) -> None:
@@ -262,13 +286,24 @@ class WorldSlots:
         self.version = _REGISTRY.version
         self.caller: list[Any] = [slot.get() for slot in self.slots]
         self.ranks: list[list[Any]] = []
-        self._plan: list[_Step] = []
+        self._plan = _Plan([], [])
+        self._shared: list[tuple[Any, ...] | None] = []  # per run: the values every rank shares, or None
         self._order()
 
     def start(self, world_size: int) -> list[list[Any]]:
         """Every rank's starting values (kept by the world; :meth:`save` and :meth:`load` take them)."""
         self.ranks = [[s.start(c) for s, c in zip(self.slots, self.caller)] for _ in range(world_size)]
+        self._find_shared()
         return self.ranks
+
+    def _find_shared(self) -> None:
+        """Mark the runs whose values are the caller's very objects in every rank."""
+        caller = self.caller
+        self._shared = []
+        for run in self._plan.runs:
+            mine = tuple(caller[run.start : run.stop])
+            same = all(all(map(operator.is_, values[run.start : run.stop], mine)) for values in self.ranks)
+            self._shared.append(mine if same else None)
 
     def recapture(self) -> None:
         """Take the caller's values anew (a session's next call); ranks take those it changed."""
@@ -280,20 +315,49 @@ class WorldSlots:
                 self.caller[i] = now
                 for values in self.ranks:
                     values[i] = slot.start(now)
+        self._find_shared()
 
     def save(self, values: list[Any]) -> None:
         """Store the process's current values into a rank's list (runs at every hand-over)."""
         if self.version != _REGISTRY.version:
             self._refresh(values)
-        for step in self._plan:
-            step.save(values)
+        shared = self._shared
+        runs = self._plan.runs
+        for i in range(len(runs)):  # plain loops and tuple fields: this runs at every hand-over
+            run = runs[i]
+            got = run.get(run.namespace)
+            if shared[i] is not None:
+                # equal, not only identical: what ranks share is immutable or compares by identity
+                if got == shared[i]:
+                    continue
+                shared[i] = None  # a rank rebound one: from now on every hand-over swaps the run
+            values[run.start : run.stop] = got
+        for index, slot in self._plan.singles:
+            values[index] = slot.get()
 
     def load(self, values: list[Any]) -> None:
         """Make a rank's values the process's current ones (runs at every hand-over)."""
         if self.version != _REGISTRY.version:
             self._refresh(None)  # the rank that ran last finished: its values are moot
-        for step in self._plan:
-            step.load(values)
+        shared = self._shared
+        runs = self._plan.runs
+        for i in range(len(runs)):
+            if shared[i] is not None:
+                continue
+            run = runs[i]
+            incoming = values[run.start : run.stop]
+            namespace = run.namespace
+            changed = False
+            for k, name in run.watched:
+                if namespace[name] is not incoming[k]:
+                    changed = True
+                    break
+            namespace.update(zip(run.names, incoming))
+            if changed:
+                for after in run.afters:
+                    after()
+        for index, slot in self._plan.singles:
+            slot.set(values[index])
 
     def restore_caller(self) -> None:
         """Put the caller's values back (the world's end, or between a session's jobs)."""
@@ -323,75 +387,88 @@ class WorldSlots:
             fills = [s.get() if values is saving else s.joined_late() for s in added]
             values[:] = [values[i] for i in kept] + fills
         self._order()
+        self._shared = [None] * len(self._plan.runs)  # mid-world: every run swaps from now on
 
     def _order(self) -> None:
-        """Put module globals first, grouped by module, and plan the hand-overs' steps."""
-        order = sorted(range(len(self.slots)), key=lambda i: _group_key(self.slots[i]))
+        """Put module globals first, grouped by module, and plan the hand-overs' steps.
+
+        The order and plan depend only on the registry's slots and on which module
+        globals exist, so consecutive worlds share them (a world's set-up is short).
+        """
+        present = tuple(_present(slot) for slot in self.slots)
+        key = (tuple(self.slots), present)  # compared by identity: _Slot has no __eq__
+        cached = _REGISTRY.plan
+        if cached is not None and cached[0] == key:
+            order, self._plan = cached[1], cached[2]
+        else:
+            order = sorted(range(len(self.slots)), key=lambda i: _group_key(self.slots[i], present[i]))
+            self._plan = _plan([self.slots[i] for i in order], [present[i] for i in order])
+            _REGISTRY.plan = (key, order, self._plan)
         self.slots = [self.slots[i] for i in order]
         self.caller = [self.caller[i] for i in order]
         for values in self.ranks:
             values[:] = [values[i] for i in order]
-        self._plan = []
-        i = 0
-        while i < len(self.slots):
-            key = _group_key(self.slots[i])
-            j = i + 1
-            while key[0] == 0 and j < len(self.slots) and _group_key(self.slots[j])[:2] == key[:2]:
-                j += 1
-            self._plan.append(_ModuleStep(self.slots[i:j], i) if key[0] == 0 else _SlotStep(self.slots[i], i))
-            i = j
 
 
-def _group_key(slot: _Slot) -> tuple[int, int, str]:
+def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:
+    """The hand-overs' plan for ``slots`` in that order: a run per module's globals, then each other slot."""
+    plan = _Plan([], [])
+    i = 0
+    while i < len(slots):
+        key = _group_key(slots[i], present[i])
+        j = i + 1
+        while key[0] == 0 and j < len(slots) and _group_key(slots[j], present[j])[:2] == key[:2]:
+            j += 1
+        if key[0] == 0:
+            plan.runs.append(_module_run(slots[i:j], i))
+        else:
+            plan.singles.append((i, slots[i]))
+        i = j
+    return plan
+
+
+def _present(slot: _Slot) -> bool:
+    """Whether the slot is a module global that exists now (saved and loaded with its module's)."""
+    return isinstance(slot.owner, ModuleType) and slot.name is not None and slot.name in vars(slot.owner)
+
+
+def _group_key(slot: _Slot, present: bool) -> tuple[int, int, str]:
     """Module globals present now (0, grouped by module), then everything else (1)."""
-    if isinstance(slot.owner, ModuleType) and slot.name is not None and slot.name in vars(slot.owner):
-        return (0, id(slot.owner), slot.name)
+    if present:
+        return (0, id(slot.owner), slot.name or "")
     return (1, 0, slot.label)
 
 
-class _Step:
-    def save(self, values: list[Any]) -> None:
-        raise NotImplementedError
+class _ModuleRun(NamedTuple):
+    """A module's globals, next to each other in a rank's values: saved and loaded in one C call each."""
 
-    def load(self, values: list[Any]) -> None:
-        raise NotImplementedError
-
-
-class _SlotStep(_Step):
-    """One slot, through its own get and set."""
-
-    def __init__(self, slot: _Slot, index: int) -> None:
-        self.slot, self.index = slot, index
-
-    def save(self, values: list[Any]) -> None:
-        values[self.index] = self.slot.get()
-
-    def load(self, values: list[Any]) -> None:
-        self.slot.set(values[self.index])
+    start: int
+    stop: int
+    get: Callable[[dict[str, Any]], Any]  # the values, in order, from the module's namespace
+    namespace: dict[str, Any]
+    names: tuple[str, ...]
+    watched: tuple[tuple[int, str], ...]  # (position, name) of the slots that have an after_set
+    afters: tuple[Callable[[], None], ...]  # their after_set functions, each once
 
 
-class _ModuleStep(_Step):
-    """A module's globals, saved and loaded in one C call each."""
+def _module_run(slots: list[_Slot], start: int) -> _ModuleRun:
+    names = tuple(slot.name for slot in slots if slot.name is not None)
+    get = operator.itemgetter(*names)
+    watched = [(k, s) for k, s in enumerate(slots) if s.after_set is not None and s.name is not None]
+    afters = tuple(dict.fromkeys(slot.after_set for _, slot in watched if slot.after_set is not None))
+    return _ModuleRun(
+        start,
+        start + len(slots),
+        get if len(names) > 1 else lambda ns: (get(ns),),
+        vars(slots[0].owner),
+        names,
+        tuple((k, slot.name) for k, slot in watched if slot.name is not None),
+        afters,
+    )
 
-    def __init__(self, slots: list[_Slot], start: int) -> None:
-        self.namespace: dict[str, Any] = vars(slots[0].owner)
-        self.names = tuple(slot.name for slot in slots if slot.name is not None)
-        self.start, self.stop = start, start + len(slots)
-        get = operator.itemgetter(*self.names)
-        self.get: Callable[[dict[str, Any]], Any] = get if len(self.names) > 1 else lambda ns: (get(ns),)
-        # the slots with after_set: their positions in the group, and what to call
-        self.watched = [
-            (k, slot.name, slot.after_set)
-            for k, slot in enumerate(slots)
-            if slot.after_set is not None and slot.name is not None
-        ]
 
-    def save(self, values: list[Any]) -> None:
-        values[self.start : self.stop] = self.get(self.namespace)
+class _Plan(NamedTuple):
+    """How a hand-over saves and loads a rank's values: runs of module globals, then single slots."""
 
-    def load(self, values: list[Any]) -> None:
-        incoming = values[self.start : self.stop]
-        changed = {after for k, name, after in self.watched if self.namespace[name] is not incoming[k]}
-        self.namespace.update(zip(self.names, incoming))
-        for after in changed:
-            after()
+    runs: list[_ModuleRun]
+    singles: list[tuple[int, _Slot]]  # (position, slot), through the slot's own get and set

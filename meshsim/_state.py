@@ -215,11 +215,10 @@ def _world_env(world_size: int) -> tuple[tuple[str, str], ...]:
 
 
 def _set_environ(items: tuple[tuple[str, str], ...]) -> None:
-    """Set environment variables that differ (runs at every hand-over, for RANK and LOCAL_RANK)."""
+    """Set environment variables (runs at every hand-over, for RANK and LOCAL_RANK, which differ then)."""
     environ = os.environ
     for key, value in items:
-        if environ.get(key) != value:
-            environ[key] = value
+        environ[key] = value
 
 
 def _forward_ad_level() -> int:
@@ -266,15 +265,17 @@ def _decoded(snapshot: dict[Any, Any]) -> dict[str, str]:
 
 
 def _restore_environ(saved: dict[Any, Any]) -> None:
-    if _environ_snapshot() == saved:
+    now = _environ_snapshot()
+    if now == saved:
         return
-    wanted = _decoded(saved)
+    # only what differs is decoded (a world's end sets back its ranks' few variables)
+    decode = os.fsdecode if _ENVIRON_DATA is not None else str
     environ = os.environ
-    for key in environ.keys() - wanted.keys():
-        del environ[key]
-    for key, value in wanted.items():
-        if environ.get(key) != value:
-            environ[key] = value
+    for key in now.keys() - saved.keys():
+        del environ[decode(key)]
+    for key, value in saved.items():
+        if now.get(key) != value:
+            environ[decode(key)] = decode(value)
 
 
 # What a rank's own environment holds (set at hand-overs and at the world's start).

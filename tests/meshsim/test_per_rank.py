@@ -87,6 +87,33 @@ def test_module_globals_start_from_a_copy_of_the_callers(tmp_path: Path) -> None
     assert (state.GROUP, state.SIZES) == (None, [1])
 
 
+def test_a_value_every_rank_shares_at_first_is_still_per_rank_when_one_rebinds_it_late() -> None:
+    # ranks start from the caller's very objects (an int, a name), and nothing is swapped
+    # while none rebinds them; a rebinding after several hand-overs is still one rank's own
+    state = types.ModuleType("flags")
+    state.LEVEL, state.NAME = 0, "caller"
+
+    def body() -> list[tuple[int, str]]:
+        seen = []
+        for step in range(4):
+            if step == 2 and dist.get_rank() == 1:
+                state.LEVEL = 11
+            if step == 3 and dist.get_rank() == 2:
+                state.NAME = "two"
+            dist.barrier()
+            seen.append((state.LEVEL, state.NAME))
+        return seen
+
+    with meshsim.per_rank(state, "LEVEL", "NAME"):
+        results = meshsim.run(body, 3)
+    assert results == [
+        [(0, "caller")] * 4,
+        [(0, "caller"), (0, "caller"), (11, "caller"), (11, "caller")],
+        [(0, "caller")] * 3 + [(0, "two")],
+    ]
+    assert (state.LEVEL, state.NAME) == (0, "caller")
+
+
 def test_a_singletons_attributes_are_per_rank() -> None:
     class Settings:
         def __init__(self) -> None:
