@@ -18,7 +18,6 @@ any other operator raises NotImplementedError pointing at ``full_tensor()``,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -386,7 +385,9 @@ def _like(factory: Callable[..., torch.Tensor]) -> Callable[..., ShardTensor]:
 
     def handler(tensor: ShardTensor, **kwargs: Any) -> ShardTensor:
         local = factory(tensor._local_tensor, **kwargs)
-        spec = dataclasses.replace(without_partial(tensor._spec), dtype=local.dtype)
+        base = without_partial(tensor._spec)
+        sizes = {m: s for m, s in enumerate(base.shard_sizes) if s is not None}
+        spec = make_spec(base.mesh, base.placements, base.shape, local.dtype, sizes, base.stride)
         return ShardTensor(local, spec)
 
     return handler
