@@ -4,7 +4,15 @@ It speaks ``torch.distributed`` only, so the same code runs on simulated ranks,
 gloo and NCCL. See :class:`ShardTensor` for the API.
 """
 
-from shardtensor._spec import ShardTensorSpec, chunk_sizes
+from shardtensor._promotion import TensorPromotionMode
+from shardtensor._spec import ShardTensorSpec, TensorMeta, chunk_sharding_shapes, chunk_sizes
 from shardtensor._tensor import ShardTensor
 
-__all__ = ["ShardTensor", "ShardTensorSpec", "chunk_sizes"]
+__all__ = [
+    "ShardTensor",
+    "ShardTensorSpec",
+    "TensorMeta",
+    "TensorPromotionMode",
+    "chunk_sharding_shapes",
+    "chunk_sizes",
+]
