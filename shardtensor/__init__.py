@@ -5,7 +5,9 @@ gloo and NCCL. See :class:`ShardTensor` for the API.
 """
 
 from shardtensor._promotion import TensorPromotionMode
+from shardtensor._scatter import scatter_tensor
 from shardtensor._spec import ShardTensorSpec, TensorMeta, chunk_sharding_shapes, chunk_sizes
+from shardtensor._sync import sync_module_over_mesh
 from shardtensor._tensor import ShardTensor
 
 __all__ = [
@@ -15,4 +17,6 @@ __all__ = [
     "TensorPromotionMode",
     "chunk_sharding_shapes",
     "chunk_sizes",
+    "scatter_tensor",
+    "sync_module_over_mesh",
 ]
