@@ -21,10 +21,10 @@ from torch.distributed.tensor import Partial, Replicate
 from shardtensor import _redistribute
 from shardtensor._spec import ShardTensorSpec, resolve_chunk_layout
 
-__all__ = ["coerce_to_recorded", "unflatten"]
+__all__ = ["base_context", "coerce_to_recorded", "unflatten"]
 
 
-def _base_context(flatten_spec: Any) -> tuple[ShardTensorSpec, bool]:
+def base_context(flatten_spec: Any) -> tuple[ShardTensorSpec, bool]:
     """``(spec, requires_grad)``, also out of a subclass's nested ``(base, extra)`` context."""
     base = flatten_spec[0] if isinstance(flatten_spec[0], tuple) else flatten_spec
     spec, requires_grad = base
@@ -43,7 +43,7 @@ def unflatten(
             torch.chunk's (an unevenly sharded tensor: compiling would bake wrong
             sizes into the graph).
     """
-    spec, requires_grad = _base_context(flatten_spec)
+    spec, requires_grad = base_context(flatten_spec)
     local = inner_tensors["_local_tensor"]
     if not spec.is_resolved and all(type(d) is int for d in local.shape):
         try:
@@ -53,7 +53,13 @@ def unflatten(
                 f"a ShardTensor crossed a torch.compile boundary unevenly sharded with a spec that lost "
                 f"its sharding shapes: {error}"
             ) from None
-    return cls(local, spec, requires_grad=requires_grad)
+    out = cls(local, spec, requires_grad=requires_grad)
+    for name in cls._extra_inner_tensors:  # type: ignore[attr-defined]
+        if name in inner_tensors:
+            setattr(out, name, inner_tensors[name])
+    if isinstance(flatten_spec[0], tuple):
+        out.__subclass_unflatten__(flatten_spec[1])
+    return out
 
 
 def coerce_to_recorded(
@@ -65,7 +71,7 @@ def coerce_to_recorded(
         RuntimeError: the recorded layout is ``Partial``, which a tangent never has
             (``__coerce_tangent_metadata__`` resolves it at trace time).
     """
-    spec, _ = _base_context(flatten_spec)
+    spec, _ = base_context(flatten_spec)
     if any(isinstance(p, Partial) for p in spec.placements):
         raise RuntimeError(
             "AOTAutograd recorded a Partial tangent target for ShardTensor "

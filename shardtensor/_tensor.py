@@ -409,7 +409,10 @@ class ShardTensor(torch.Tensor):
         ):
             args, kwargs = _promote_for_handler(args, kwargs, every_plain=False)
         with _torch_private.no_torch_function():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if cls._subclass_propagated_attrs and not _torch_private.are_we_tracing():
+            _propagate_subclass_attrs(cls, result, args, kwargs)
+        return result
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -430,17 +433,47 @@ class ShardTensor(torch.Tensor):
 
     # -- torch.compile (see _compile) -----------------------------------------------------------
 
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[ShardTensorSpec, bool]]:
-        return ["_local_tensor"], (self._spec, self.requires_grad)
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        names = ["_local_tensor", *type(self)._extra_inner_tensors]
+        base = (self._spec, self.requires_grad)
+        extra = self.__subclass_flatten_context__()
+        return names, (base if extra is None else (base, extra))
 
-    @staticmethod
+    @classmethod
     def __tensor_unflatten__(
-        inner_tensors: dict[str, torch.Tensor], flatten_spec: Any, outer_size: Any, outer_stride: Any
+        cls, inner_tensors: dict[str, torch.Tensor], flatten_spec: Any, outer_size: Any, outer_stride: Any
     ) -> ShardTensor:
-        result: ShardTensor = _compile.unflatten(
-            ShardTensor, inner_tensors, flatten_spec, outer_size, outer_stride
-        )
+        result: ShardTensor = _compile.unflatten(cls, inner_tensors, flatten_spec, outer_size, outer_stride)
         return result
+
+    @classmethod
+    def __metadata_guard__(cls, orig: Any, other: Any) -> bool:
+        """Dynamo's guard on the flatten context: the layout and requires_grad, not a subclass's extra."""
+        return _compile.base_context(orig) == _compile.base_context(other)
+
+    # -- extension points for subclasses (PhysicsNeMo's) -----------------------------------------
+
+    # Names of extra inner tensors a subclass carries through torch.compile (after _local_tensor).
+    _extra_inner_tensors: ClassVar[tuple[str, ...]] = ()
+    # Attributes copied from an input onto eager op results, which take the subclass's type.
+    _subclass_propagated_attrs: ClassVar[tuple[str, ...]] = ()
+
+    def __subclass_flatten_context__(self) -> object | None:
+        """A subclass's extra flatten context (a graph constant), nested as ``(base, extra)``; None here."""
+        return None
+
+    def __subclass_unflatten__(self, subclass_ctx: object) -> None:
+        """Reattach what :meth:`__subclass_flatten_context__` returned; nothing here."""
+        return None
+
+    def _stable_inner_sentinel(self, cache_attr: str) -> torch.Tensor:
+        """An empty int64 tensor for an unset extra inner tensor, the same object on every call
+        (AOTAutograd flattens an input more than once), made on the local tensor's device."""
+        cached: torch.Tensor | None = getattr(self, cache_attr, None)
+        if cached is None:
+            cached = torch.zeros(0, dtype=torch.int64, device=self._local_tensor.device)
+            setattr(self, cache_attr, cached)
+        return cached
 
     def __coerce_tangent_metadata__(self) -> ShardTensor:
         """Trace time: a tangent's layout (a pending ``Partial`` sum resolved to ``Replicate``)."""
@@ -460,6 +493,22 @@ class ShardTensor(torch.Tensor):
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _propagate_subclass_attrs(cls: type, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Eager op results of a subclass declaring ``_subclass_propagated_attrs`` take its type and attrs."""
+    attrs: tuple[str, ...] = cls._subclass_propagated_attrs  # type: ignore[attr-defined]
+    sources = [a for a in (*args, *kwargs.values()) if isinstance(a, cls)]
+    if not sources:
+        return
+    source = next((a for a in sources if getattr(a, attrs[0], None) is not None), sources[0])
+    for out in result if isinstance(result, (list, tuple)) else (result,):
+        if isinstance(out, ShardTensor) and issubclass(cls, type(out)):
+            if type(out) is not cls:
+                out.__class__ = cls
+            if getattr(out, attrs[0], None) is None:
+                for name in attrs:
+                    setattr(out, name, getattr(source, name))
 
 
 def _check_callable(handler: object, what: str) -> None:
