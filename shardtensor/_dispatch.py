@@ -64,10 +64,11 @@ class _Unrepresentable(Exception):
 class _Plan:
     """What one op does on one combination of input layouts (cached)."""
 
-    op: Any  # the op run on local tensors
-    targets: tuple[ShardTensorSpec | None, ...]  # per tensor slot: its spec before the op
+    op: Any  # the op run on local tensors (its C++ callable where torch exposes one)
+    targets: tuple[ShardTensorSpec | None, ...]  # per tensor slot: the spec it moves to (None: stays)
     outputs: Any  # a ShardTensorSpec, a tuple/list of them (or None), or None
     shape_arg: tuple[int, tuple[int, ...], tuple[int, ...] | None] | None  # (index, local shape, stride)
+    positions: tuple[int, ...] | None  # where the tensors are, when all are positional arguments
     rewritten_args: tuple[Any, ...] | None  # DTensor's rewrite of the non-tensor args (squeeze)
     divide_by: int | None  # mean: the global count the local sum is divided by
     inplace: bool
@@ -118,35 +119,69 @@ def _rebuild(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Any], 
 
 def _hashable(value: Any) -> Any:
     if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
+        as_tuple = tuple(value)
+        try:
+            hash(as_tuple)  # a list of ints (dims, sizes): the common case
+            return as_tuple
+        except TypeError:
+            return tuple(_hashable(v) for v in value)
     if isinstance(value, torch.Tensor):  # a tensor inside a constant list: only its shape matters
         return ("tensor", tuple(value.shape), value.dtype)
     return value
 
 
-def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The plan cache key: specs, plus the non-tensor arguments that can change a plan."""
-    cls = _state["cls"]
-    info = _torch_private.schema_info(op)
-    static_argnum, static_keys = info if info is not None else (0, None)
-    parts: list[Any] = [op]
+_SCHEMA_INFO: dict[int, tuple[int, frozenset[str] | None]] = {}
+
+
+def _static_args(op: Any) -> tuple[int, frozenset[str] | None]:
+    """DTensor's (static_argnum, static_kwargkey) for ``op``, looked up once per op."""
+    found = _SCHEMA_INFO.get(id(op))
+    if found is None:
+        info = _torch_private.schema_info(op)
+        found = info if info is not None else (0, None)
+        _SCHEMA_INFO[id(op)] = found
+    return found
+
+
+class _Plain(Exception):
+    """A plain tensor with dims among the arguments: promote it, then make the key again."""
+
+
+def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> tuple[Any, ...]:
+    """The plan cache key: specs, plus the non-tensor arguments that can change a plan.
+
+    Raises:
+        _Plain: a plain tensor with dims is an argument (it must be promoted first).
+    """
+    static_argnum, static_keys = _static_args(op)
+    parts: list[Any] = [id(op)]  # ops live as long as the process; an int hashes in C
     for i, a in enumerate(args):
-        parts.append(_key_part(a, cls, i >= static_argnum))
+        parts.append(a._spec if type(a) is cls else _key_part(a, cls, i >= static_argnum))  # type: ignore[attr-defined]
     for k, v in kwargs.items():
         parts.append((k, _key_part(v, cls, static_keys is None or k in static_keys)))
     return tuple(parts)
 
 
+_SCALARS = (int, float, bool, type(None), str)
+
+
 def _key_part(a: Any, cls: type, static: bool) -> Any:
+    kind = type(a)
+    if kind in _SCALARS:
+        return a if static else kind
     if isinstance(a, cls):
         return a._spec  # type: ignore[attr-defined]
     if isinstance(a, torch.Tensor):
-        return ("scalar", a.dtype, a.ndim)
-    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-        return tuple(_key_part(x, cls, static) for x in a)
+        if a.ndim:
+            raise _Plain
+        return ("scalar", a.dtype)
+    if kind is list or kind is tuple:
+        for x in a:
+            if isinstance(x, torch.Tensor):
+                return tuple(_key_part(y, cls, static) for y in a)
     if static:
         return _hashable(a)
-    return type(a)
+    return kind
 
 
 # -- the entry point ----------------------------------------------------------------------------
@@ -155,35 +190,38 @@ def _key_part(a: Any, cls: type, static: bool) -> Any:
 def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``op`` on ShardTensor arguments; returns ShardTensors with correct per-rank specs."""
     cls = _state["cls"]
-    args, kwargs = _promote_plain(op, args, kwargs, cls)
-    if op is aten._local_scalar_dense.default:
-        return _local_scalar(args[0])
-    key = _key(op, args, kwargs)
+    try:
+        key = _key(op, args, kwargs, cls)
+    except _Plain:
+        args, kwargs = _promote_plain(op, args, kwargs, cls)
+        key = _key(op, args, kwargs, cls)
     plan = _PLANS.get(key)
     if plan is None:
+        if op is aten._local_scalar_dense.default:
+            return _local_scalar(args[0])
         plan = _make_plan(op, args, kwargs, cls)
         with _plans_lock:
             if len(_PLANS) >= _PLANS_LIMIT:
                 _PLANS.clear()
             _PLANS[key] = plan
-    if isinstance(plan, _Decompose):
+    if type(plan) is _Decompose:
         return op.decompose(*args, **kwargs)
-    return _run(plan, args, kwargs, cls)
+    return _run(plan, args, kwargs, cls)  # type: ignore[arg-type]
 
 
 def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> Any:
-    targets = iter(plan.targets)
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        target = next(targets)
-        if not isinstance(t, cls):
-            return t
-        spec, value = t._spec, t._local_tensor  # type: ignore[attr-defined]
-        if target is None or target is spec:
-            return value  # type: ignore[no-any-return]
-        return _redistribute.redistribute_local(value, spec, target)
-
-    local_args, local_kwargs = _rebuild(args, kwargs, local)
+    if plan.positions is not None:  # every tensor is a positional argument: no rebuilding
+        local_list = list(args)
+        for i, target in zip(plan.positions, plan.targets):
+            a = args[i]
+            if isinstance(a, cls):
+                value = a._local_tensor  # type: ignore[attr-defined]
+                local_list[i] = (
+                    value if target is None else _redistribute.redistribute_local(value, a._spec, target)  # type: ignore[attr-defined]
+                )
+        local_args, local_kwargs = tuple(local_list), kwargs
+    else:
+        local_args, local_kwargs = _localize(plan, args, kwargs, cls)
     if plan.rewritten_args is not None:
         local_args = _with_tensors(plan.rewritten_args, local_args)
     if plan.shape_arg is not None:
@@ -198,7 +236,37 @@ def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) 
         result = result / plan.divide_by if plan.divide_by else result * float("nan")
     if plan.inplace:
         return args[0]
-    return _wrap(result, plan.outputs, cls, plan.op)
+    out = plan.outputs
+    if isinstance(result, torch.Tensor) and isinstance(out, ShardTensorSpec):
+        if result.shape != out.local_shape:
+            _wrong_shape(plan.op, result, out)
+        return _state["wrap"](cls, result, out)
+    return _wrap(result, out, cls, plan.op)
+
+
+def _localize(
+    plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    targets = iter(plan.targets)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        target = next(targets)
+        if not isinstance(t, cls):
+            return t
+        value = t._local_tensor  # type: ignore[attr-defined]
+        if target is None:
+            return value  # type: ignore[no-any-return]
+        return _redistribute.redistribute_local(value, t._spec, target)  # type: ignore[attr-defined]
+
+    return _rebuild(args, kwargs, local)
+
+
+def _wrong_shape(op: Any, result: torch.Tensor, spec: ShardTensorSpec) -> None:
+    raise RuntimeError(
+        f"shardtensor: {op} gave a local result of shape {tuple(result.shape)} on this rank, but "
+        f"the output layout {spec} expects {spec.local_shape}; this is a bug in shardtensor's "
+        "plan for this op, please report it with the input layouts"
+    )
 
 
 def _with_tensors(rewritten: tuple[Any, ...], local_args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -211,13 +279,9 @@ def _wrap(result: Any, spec: Any, cls: type, op: Any) -> Any:
     if isinstance(result, torch.Tensor):
         if spec is None:
             return result
-        if tuple(result.shape) != spec.local_shape:
-            raise RuntimeError(
-                f"shardtensor: {op} gave a local result of shape {tuple(result.shape)} on this rank, but "
-                f"the output layout {spec} expects {spec.local_shape}; this is a bug in shardtensor's "
-                "plan for this op, please report it with the input layouts"
-            )
-        return cls(result, spec)
+        if result.shape != spec.local_shape:
+            _wrong_shape(op, result, spec)
+        return _state["wrap"](cls, result, spec)
     if isinstance(result, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(result)
         wrapped = [_wrap(r, s, cls, op) for r, s in zip(result, specs)]
@@ -325,7 +389,30 @@ def _plan_for(
     if _is_out_variant(op):
         raise NotImplementedError(f"{op}: out= variants are not supported on ShardTensors")
     divide_by = _mean_count(op, args, kwargs, in_specs[0]) if prop_op is not op else None
-    return _Plan(run_op, tuple(targets), outputs, shape_arg, rewritten, divide_by, inplace)
+    moves = tuple(None if t is None or t == s else t for t, s in zip(targets, in_specs))
+    return _Plan(
+        _torch_private.raw_op(run_op),
+        moves,
+        outputs,
+        shape_arg,
+        _positions(args, kwargs),
+        rewritten,
+        divide_by,
+        inplace,
+    )
+
+
+def _positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The indices of tensor arguments, if every tensor is a positional argument (not in a list)."""
+    if any(isinstance(v, torch.Tensor) for v in _leaves((), kwargs)):
+        return None
+    positions = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            positions.append(i)
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return None
+    return tuple(positions)
 
 
 def _replicated(spec: ShardTensorSpec) -> ShardTensorSpec:

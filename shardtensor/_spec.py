@@ -117,6 +117,7 @@ class ShardTensorSpec:
             for ``Shard`` mesh dims whose sizes are unknown).
         coordinate: this rank's coordinate on the mesh.
         local_shape: the shape of this rank's local tensor (None if unknown).
+        is_resolved: whether every ``Shard`` mesh dim has known sizes.
 
     Raises:
         ValueError: inconsistent fields (each message names the values).
@@ -135,6 +136,7 @@ class ShardTensorSpec:
     shard_sizes: tuple[Sizes | None, ...] = dataclasses.field(init=False)
     coordinate: tuple[int, ...] = dataclasses.field(init=False)
     local_shape: tuple[int, ...] | None = dataclasses.field(init=False)
+    is_resolved: bool = dataclasses.field(init=False)  # every Shard mesh dim has known sizes
 
     def __init__(
         self,
@@ -192,11 +194,12 @@ class ShardTensorSpec:
         return self._key() == other._key()
 
     def __hash__(self) -> int:
-        cached: int | None = self.__dict__.get("_hash_cache")
-        if cached is None:
+        try:
+            return self._hash_cache  # type: ignore[attr-defined, no-any-return]
+        except AttributeError:
             cached = hash(self._key())
             object.__setattr__(self, "_hash_cache", cached)
-        return cached
+            return cached
 
     def _stable_hash(self) -> str:
         """A hash that is the same in every process (for torch.compile's AOT autograd cache)."""
@@ -211,13 +214,6 @@ class ShardTensorSpec:
             self.local_shape,
         )
         return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
-
-    @property
-    def is_resolved(self) -> bool:
-        """Whether every ``Shard`` mesh dim has known sizes."""
-        return all(
-            sizes is not None for p, sizes in zip(self.placements, self.shard_sizes) if isinstance(p, Shard)
-        )
 
     @property
     def ndim(self) -> int:
@@ -333,6 +329,7 @@ def _set_fields(
     set_(spec, "shard_sizes", sizes)
     set_(spec, "coordinate", coordinate)
     set_(spec, "local_shape", local_shape)
+    set_(spec, "is_resolved", resolved)
     set_(spec, "_local_shape", local_shape)
     set_(spec, "_sharding_shapes", _shapes_from_sizes(placements, sizes, local_shape) if resolved else None)
 

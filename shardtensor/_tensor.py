@@ -395,24 +395,19 @@ class ShardTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        registry = ShardTensor._function_registry
-        if registry:
-            handler = registry.get(func)
-            if handler is not None:
-                args, kwargs = _promote_for_handler(args, kwargs, every_plain=True)
-                return handler(func, types, args, kwargs)
-        if (
-            ShardTensor._promotion_mode is not TensorPromotionMode.DISABLED
-            and torch.is_grad_enabled()
-            and _promotion.needs_bridge(args, kwargs)
-        ):
-            args, kwargs = _promote_for_handler(args, kwargs, every_plain=False)
-        with _torch_private.no_torch_function():
-            result = func(*args, **kwargs)
-        if cls._subclass_propagated_attrs and not _torch_private.are_we_tracing():
-            _propagate_subclass_attrs(cls, result, args, kwargs)
-        return result
+        if kwargs is None:
+            kwargs = {}
+        if ShardTensor._function_registry or cls._subclass_propagated_attrs:
+            return _torch_function_with_handlers(cls, func, types, args, kwargs)
+        if torch.is_grad_enabled():
+            for a in args:
+                if type(a) in _PLAIN and a.requires_grad:
+                    return _torch_function_with_handlers(cls, func, types, args, kwargs)
+            for a in kwargs.values():
+                if type(a) in _PLAIN and a.requires_grad:
+                    return _torch_function_with_handlers(cls, func, types, args, kwargs)
+        with _NoTorchFunction():
+            return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -422,11 +417,13 @@ class ShardTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        handler = ShardTensor._dispatch_registry.get(func) if ShardTensor._dispatch_registry else None
-        if handler is not None:
-            return handler(*args, **kwargs)
-        fast = _FAST.get(func)
+        if kwargs is None:
+            kwargs = {}
+        if ShardTensor._dispatch_registry:
+            handler = ShardTensor._dispatch_registry.get(func)
+            if handler is not None:
+                return handler(*args, **kwargs)
+        fast = _FAST.get(id(func))
         if fast is not None:
             return fast(*args, **kwargs)
         return _dispatch.dispatch(func, args, kwargs)
@@ -493,6 +490,32 @@ class ShardTensor(torch.Tensor):
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NoTorchFunction = _torch_private.NoTorchFunction
+
+
+def _torch_function_with_handlers(
+    cls: type, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The slow path: a registered handler, differentiable promotion, subclass attributes."""
+    registry = ShardTensor._function_registry
+    handler = registry.get(func) if registry else None
+    if handler is not None:
+        args, kwargs = _promote_for_handler(args, kwargs, every_plain=True)
+        return handler(func, types, args, kwargs)
+    if (
+        ShardTensor._promotion_mode is not TensorPromotionMode.DISABLED
+        and torch.is_grad_enabled()
+        and _promotion.needs_bridge(args, kwargs)
+    ):
+        args, kwargs = _promote_for_handler(args, kwargs, every_plain=False)
+    with _NoTorchFunction():
+        result = func(*args, **kwargs)
+    if cls._subclass_propagated_attrs and not _torch_private.are_we_tracing():  # type: ignore[attr-defined]
+        _propagate_subclass_attrs(cls, result, args, kwargs)
+    return result
 
 
 def _propagate_subclass_attrs(cls: type, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -836,12 +859,25 @@ def _is_same_size(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tuple(a.shape) == tuple(b.shape)
 
 
-_FAST: dict[Any, Callable[..., Any]] = {
-    aten.detach.default: _detach,
-    aten.alias.default: _alias,
-    aten.is_same_size.default: _is_same_size,
+# By id: an OpOverload hashes in Python, an int in C (this lookup runs for every op).
+_FAST: dict[int, Callable[..., Any]] = {
+    id(aten.detach.default): _detach,
+    id(aten.alias.default): _alias,
+    id(aten.is_same_size.default): _is_same_size,
 }
 
+
+def _wrap_local(cls: type, local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """``cls(local, spec)`` for a result whose local shape the caller has checked (the op hot path)."""
+    tensor: ShardTensor = _torch_private.new_wrapper(
+        cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device
+    )
+    tensor._local_tensor = local
+    tensor._spec = spec
+    return tensor
+
+
 _dispatch._state["cls"] = ShardTensor
+_dispatch._state["wrap"] = _wrap_local
 _dispatch._state["promote"] = _promote_in_dispatch
 _ = dist  # torch.distributed is imported for its side effects on DTensor's registrations

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "NoTorchFunction",
     "are_we_tracing",
     "current_mesh",
     "disabled_torch_function",
@@ -35,8 +36,10 @@ __all__ = [
     "is_norm_partial",
     "make_wrapper_subclass",
     "mesh_stable_hash",
+    "new_wrapper",
     "no_torch_function",
     "propagate",
+    "raw_op",
     "reduce_partial_value",
     "schema_info",
     "scalar_shape_adjusted",
@@ -53,6 +56,17 @@ disabled_torch_function: Any = torch._C._disabled_torch_function_impl
 def no_torch_function() -> Any:
     """A context in which tensor subclasses' ``__torch_function__`` is skipped."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+# The same context as a class, and the wrapper constructor, for the per-op hot path (no frame).
+# OpOverload._op is the C++ callable OpOverload.__call__ forwards to.
+NoTorchFunction: Any = torch._C.DisableTorchFunctionSubclass
+new_wrapper: Any = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
+
+
+def raw_op(op: Any) -> Any:
+    """The callable behind an OpOverload (saves a Python frame per call), or ``op`` itself."""
+    return getattr(op, "_op", op)
 
 
 def make_wrapper_subclass(
