@@ -72,6 +72,9 @@ class _Plan:
     rewritten_args: tuple[Any, ...] | None  # DTensor's rewrite of the non-tensor args (squeeze)
     divide_by: int | None  # mean: the global count the local sum is divided by
     inplace: bool
+    # A max/min left pending (Partial): what a rank with an empty shard contributes
+    # (torch refuses to reduce an empty dim; the reduction's identity is the right value).
+    empty_identity: float | int | bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +234,13 @@ def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) 
         if stride is not None:
             replaced[index + 1] = list(stride)
         local_args = tuple(replaced)
-    result = plan.op(*local_args, **local_kwargs)
+    if plan.empty_identity is not None and local_args[0].numel() == 0:
+        out_spec = plan.outputs
+        result = torch.full(
+            out_spec.local_shape, plan.empty_identity, dtype=out_spec.dtype, device=local_args[0].device
+        )
+    else:
+        result = plan.op(*local_args, **local_kwargs)
     if plan.divide_by is not None:
         result = result / plan.divide_by if plan.divide_by else result * float("nan")
     if plan.inplace:
@@ -399,7 +408,25 @@ def _plan_for(
         rewritten,
         divide_by,
         inplace,
+        _empty_identity(outputs),
     )
+
+
+def _empty_identity(outputs: Any) -> float | int | bool | None:
+    """The identity of a pending max or min (its value on a rank whose shard is empty)."""
+    if not isinstance(outputs, ShardTensorSpec):
+        return None
+    ops = {p.reduce_op for p in outputs.placements if type(p) is Partial}
+    if ops not in ({"max"}, {"min"}):
+        return None
+    largest = "min" in ops
+    dtype = outputs.dtype
+    if dtype is torch.bool:
+        return largest
+    if dtype.is_floating_point:
+        return float("inf") if largest else float("-inf")
+    info = torch.iinfo(dtype)
+    return info.max if largest else info.min
 
 
 def _positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
