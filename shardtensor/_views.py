@@ -68,7 +68,7 @@ def _infer(shape: Sequence[int], size: Sequence[int]) -> tuple[int, ...]:
 def _through(
     spec: ShardTensorSpec, dim_map: list[tuple[Any, ...]]
 ) -> tuple[tuple[Placement, ...], dict[int, Sizes]]:
-    sharded = {p.dim for p in spec.placements if isinstance(p, Shard)}
+    sharded = {p.dim: m for m, p in enumerate(spec.placements) if isinstance(p, Shard)}
     placements: list[Placement] = []
     sizes: dict[int, Sizes] = {}
     for m, p in enumerate(spec.placements):
@@ -76,13 +76,10 @@ def _through(
             placements.append(p)
             continue
         carriers = []
-        try:
-            for o, entry in enumerate(dim_map):
-                carried = _carried(entry, p.dim, spec.shape, spec.shard_sizes[m], sharded)  # type: ignore[arg-type]
-                if carried is not None:
-                    carriers.append((o, carried))
-        except _Gather:
-            raise _Gather(str(m)) from None
+        for o, entry in enumerate(dim_map):
+            carried = _carried(entry, p.dim, spec.shape, spec.shard_sizes[m], sharded)  # type: ignore[arg-type]
+            if carried is not None:
+                carriers.append((o, carried))
         if len(carriers) != 1:
             raise _Gather(str(m))
         o, along = carriers[0]
@@ -92,12 +89,14 @@ def _through(
 
 
 def _carried(
-    entry: tuple[Any, ...], dim: int, shape: tuple[int, ...], along: Sizes, sharded: set[int]
+    entry: tuple[Any, ...], dim: int, shape: tuple[int, ...], along: Sizes, sharded: dict[int, int]
 ) -> Sizes | None:
     """The sizes of the output dim described by ``entry`` if it carries sharded ``dim``.
 
     Raises:
-        _Gather: ``entry`` uses ``dim`` in a way a per-rank layout cannot follow.
+        _Gather: ``entry`` uses ``dim`` in a way a per-rank layout cannot follow; its
+            message is the mesh dim to gather (where two sharded dims are flattened
+            together, the one behind: the leading one can then stay sharded).
     """
     kind = entry[0]
     if kind == "in":
@@ -106,8 +105,11 @@ def _carried(
         dims = entry[1]
         if dim not in dims:
             return None
-        if dims[0] != dim or any(d in sharded for d in dims[1:]):
-            raise _Gather
+        if dims[0] != dim:
+            raise _Gather(str(sharded[dim]))
+        behind = [sharded[d] for d in dims[1:] if d in sharded]
+        if behind:
+            raise _Gather(str(behind[0]))
         return tuple(s * math.prod(shape[d] for d in dims[1:]) for s in along)
     if kind == "split":
         flat = _carried(entry[1], dim, shape, along, sharded)
@@ -118,7 +120,7 @@ def _carried(
             return None  # a trailing piece: whole on every rank, the leading piece carries the shards
         rest = math.prod(group[1:])
         if any(s % rest for s in flat):
-            raise _Gather
+            raise _Gather(str(sharded[dim]))
         return tuple(s // rest for s in flat)
     return None  # a new size-1 dim, or a form DTensor has that views do not make
 
