@@ -201,9 +201,16 @@ class ShardTensorSpec:
             object.__setattr__(self, "_hash_cache", cached)
             return cached
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Only the defining fields travel (torch.compile's caches pickle specs): derived
+        # ones, the cached hash above all, are remade in the process that loads it.
+        local = None if self.is_resolved else self.local_shape
+        return _unpickle, (self.mesh, self.placements, self.tensor_meta, self.shard_sizes, local)
+
     def _stable_hash(self) -> str:
         """A hash that is the same in every process (for torch.compile's AOT autograd cache)."""
         parts = (
+            _PICKLE_FORMAT,
             _torch_private.mesh_stable_hash(self.mesh),
             repr(self.placements),
             self.shape,
@@ -288,6 +295,26 @@ class ShardTensorSpec:
         if not self.is_resolved:
             return f"{text} (sharding shapes unknown)"
         return f"{text} (sizes {sizes})" if sizes else text
+
+
+# Part of every stable hash: a new value keeps torch.compile's on-disk caches from
+# handing back specs pickled in an older form.
+_PICKLE_FORMAT = "shardtensor-spec-2"
+
+
+def _unpickle(
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    meta: TensorMeta,
+    sizes: tuple[Sizes | None, ...],
+    local_shape: tuple[int, ...] | None,
+) -> ShardTensorSpec:
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"a ShardTensorSpec was loaded on a rank that is not part of its mesh {mesh}")
+    spec = object.__new__(ShardTensorSpec)
+    _set_fields(spec, mesh, placements, meta, sizes, tuple(coordinate), local_shape)
+    return spec
 
 
 def _set_fields(
