@@ -45,7 +45,14 @@ def unflatten(
     """
     spec, requires_grad = base_context(flatten_spec)
     local = inner_tensors["_local_tensor"]
-    if not spec.is_resolved and all(type(d) is int for d in local.shape):
+    if not all(type(d) is int for d in (*local.shape, *outer_size)):
+        raise NotImplementedError(
+            f"ShardTensor under torch.compile needs static shapes, but a shard of {spec} arrived with "
+            f"symbolic sizes {tuple(local.shape)}; compile with dynamic=False (simulated ranks share one "
+            "process, so ranks with different shard shapes look like a shape change to Dynamo, which "
+            "then makes the sizes dynamic)"
+        )
+    if not spec.is_resolved:
         try:
             spec = resolve_chunk_layout(spec, tuple(local.shape))
         except RuntimeError as error:

@@ -663,6 +663,13 @@ class _InferLater:
             dim = self.placements[m].dim  # type: ignore[attr-defined]
             shapes = all_gather_shapes(tuple(grad.shape), spec.mesh.get_group(m), spec.mesh.device_type)
             sizes[m] = tuple(s[dim] for s in shapes)
+            if sum(sizes[m]) != spec.shape[dim]:
+                raise ValueError(
+                    f"grad_placements {list(self.placements)}: the gradients of the local tensors have "
+                    f"sizes {sizes[m]} along tensor dim {dim} on the coordinates of mesh dim {m}, which do "
+                    f"not add up to the tensor's {spec.shape[dim]}; a Shard grad placement needs each "
+                    "rank's gradient to be its shard"
+                )
         return make_spec(
             spec.mesh, self.placements, spec.shape, grad.dtype, sizes, spec.stride, spec.coordinate
         )
