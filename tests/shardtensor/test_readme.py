@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+import meshsim
 from shardtensor import ShardTensor
 
 
@@ -15,3 +16,21 @@ def test_gather_is_one_all_gather(distributed_mesh, rank, world_size, ledger):
 
     assert full.shape == (sum(range(1, world_size + 1)), 8)
     assert ledger.counts() == {"all_gather": 2}  # shape inference + the gather
+
+
+@pytest.mark.world(4)
+def test_the_operators_example(distributed_mesh, rank) -> None:
+    # The README's ShardTensor section, with the values it names checked.
+    mesh = distributed_mesh
+    local = torch.full((rank + 1, 3), float(rank))  # rows 1, 2, 3, 4 on 4 ranks
+    w, bias = torch.ones(3, 2), torch.ones(2)
+    x = ShardTensor.from_local(local, mesh, [Shard(0)])
+    with meshsim.record() as ledger:
+        y = torch.relu(x @ w) * 2 + bias
+        loss = y.mean()
+    assert ledger.counts() == {}
+    with meshsim.record() as ledger:
+        value = loss.full_tensor()
+    assert ledger.counts() == {"all_reduce": 1}
+    rows = torch.cat([torch.full((r + 1, 3), float(r)) for r in range(4)])
+    torch.testing.assert_close(value, (torch.relu(rows @ w) * 2 + bias).mean())
