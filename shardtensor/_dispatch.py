@@ -157,12 +157,36 @@ def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> t
         _Plain: a plain tensor with dims is an argument (it must be promoted first).
     """
     static_argnum, static_keys = _static_args(op)
+    # The mesh object itself is part of the key, not just an equal one: a plan's output
+    # specs hold the mesh they were made with, and an equal mesh of an earlier world
+    # (simulated ranks reuse threads) would hand back its process groups. The cache keeps
+    # the object alive, so its id cannot be reused by another mesh while the plan exists.
+    mesh_id = None
     parts: list[Any] = [id(op)]  # ops live as long as the process; an int hashes in C
     for i, a in enumerate(args):
-        parts.append(a._spec if type(a) is cls else _key_part(a, cls, i >= static_argnum))  # type: ignore[attr-defined]
+        if type(a) is cls:
+            spec = a._spec  # type: ignore[attr-defined]
+            if mesh_id is None:
+                mesh_id = id(spec.mesh)
+            parts.append(spec)
+        else:
+            parts.append(_key_part(a, cls, i >= static_argnum))
     for k, v in kwargs.items():
         parts.append((k, _key_part(v, cls, static_keys is None or k in static_keys)))
+    parts.append(mesh_id if mesh_id is not None else _first_mesh_id(parts))
     return tuple(parts)
+
+
+def _first_mesh_id(parts: Any) -> int | None:
+    """The id of the first spec's mesh, ShardTensors being only in lists or keyword arguments."""
+    for p in parts:
+        if isinstance(p, ShardTensorSpec):
+            return id(p.mesh)
+        if isinstance(p, tuple):
+            found = _first_mesh_id(p)
+            if found is not None:
+                return found
+    return None
 
 
 _SCALARS = (int, float, bool, type(None), str)
