@@ -51,7 +51,7 @@ class Config:
     rounds: int
 
 
-FULL = Config((("small", 64), ("large", 1024)), 200, 7)
+FULL = Config((("small", 64), ("large", 512)), 200, 9)
 QUICK = Config((("small", 32), ("large", 256)), 20, 2)
 
 OPS: dict[str, tuple[tuple[Any, ...], Callable[..., Any]]] = {
@@ -153,7 +153,7 @@ def _print(per_rank: list[dict[Any, Timing]], config: Config, seconds: float) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and few iterations (a smoke test)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds to take medians over (default 7)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds to take medians over (default 9)")
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
     if args.rounds is not None:
