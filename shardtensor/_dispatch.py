@@ -33,7 +33,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -60,7 +60,7 @@ class _Unrepresentable(Exception):
     """DTensor's plan asks for a layout a ShardTensorSpec cannot describe."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Plan:
     """What one op does on one combination of input layouts (cached)."""
 
@@ -75,6 +75,8 @@ class _Plan:
     # A max/min left pending (Partial): what a rank with an empty shard contributes
     # (torch refuses to reduce an empty dim; the reduction's identity is the right value).
     empty_identity: float | int | bool | None = None
+    # Nothing but the op: positional shards that stay, one tensor result (the hot path).
+    simple: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +235,25 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             _PLANS[key] = plan
     if type(plan) is _Decompose:
         return op.decompose(*args, **kwargs)
-    return _run(plan, args, kwargs, cls)  # type: ignore[arg-type]
+    plan = cast(_Plan, plan)
+    if plan.simple:  # the common case: shards in place, one result in a known layout
+        local_args = list(args)
+        for i in plan.positions:  # type: ignore[union-attr]
+            a = args[i]
+            if isinstance(a, cls):
+                local_args[i] = a._local_tensor  # type: ignore[attr-defined]
+        result = plan.op(*local_args, **kwargs)
+        out = plan.outputs
+        if result.shape != out.local_shape:
+            _wrong_shape(plan.op, result, out)
+        wrapped = _new_wrapper(cls, out.shape, strides=out.stride, dtype=out.dtype, device=result.device)
+        wrapped._local_tensor = result
+        wrapped._spec = out
+        return wrapped
+    return _run(plan, args, kwargs, cls)
+
+
+_new_wrapper = _torch_private.new_wrapper
 
 
 def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> Any:
@@ -423,17 +443,33 @@ def _plan_for(
         raise NotImplementedError(f"{op}: out= variants are not supported on ShardTensors")
     divide_by = _mean_count(op, args, kwargs, in_specs[0]) if prop_op is not op else None
     moves = tuple(None if t is None or t == s else t for t, s in zip(targets, in_specs))
+    positions = _positions(args, kwargs)
+    identity = _empty_identity(outputs)
+    simple = (
+        positions is not None
+        and all(t is None for t in moves)
+        and (rewritten, shape_arg, divide_by, identity) == (None, None, None, None)
+        and not inplace
+        and isinstance(outputs, ShardTensorSpec)
+        and _returns_one_tensor(run_op)
+    )
     return _Plan(
         _torch_private.raw_op(run_op),
         moves,
         outputs,
         shape_arg,
-        _positions(args, kwargs),
+        positions,
         rewritten,
         divide_by,
         inplace,
-        _empty_identity(outputs),
+        identity,
+        simple,
     )
+
+
+def _returns_one_tensor(op: Any) -> bool:
+    returns = op._schema.returns
+    return len(returns) == 1 and str(returns[0].type) == "Tensor"
 
 
 def _empty_identity(outputs: Any) -> float | int | bool | None:
