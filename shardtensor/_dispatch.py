@@ -152,6 +152,9 @@ class _Plain(Exception):
     """A plain tensor with dims among the arguments: promote it, then make the key again."""
 
 
+_SCALARS = (int, float, bool, type(None), str)
+
+
 def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> tuple[Any, ...]:
     """The plan cache key: specs, plus the non-tensor arguments that can change a plan.
 
@@ -166,11 +169,14 @@ def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> t
     mesh_id = None
     parts: list[Any] = [id(op)]  # ops live as long as the process; an int hashes in C
     for i, a in enumerate(args):
-        if type(a) is cls:
+        kind = type(a)
+        if kind is cls:
             spec = a._spec  # type: ignore[attr-defined]
             if mesh_id is None:
                 mesh_id = id(spec.mesh)
             parts.append(spec)
+        elif kind in _SCALARS:
+            parts.append(a if i >= static_argnum else kind)
         else:
             parts.append(_key_part(a, cls, i >= static_argnum))
     for k, v in kwargs.items():
@@ -189,9 +195,6 @@ def _first_mesh_id(parts: Any) -> int | None:
             if found is not None:
                 return found
     return None
-
-
-_SCALARS = (int, float, bool, type(None), str)
 
 
 def _key_part(a: Any, cls: type, static: bool) -> Any:
