@@ -4,7 +4,19 @@ It speaks ``torch.distributed`` only, so the same code runs on simulated ranks,
 gloo and NCCL. See :class:`ShardTensor` for the API.
 """
 
-from shardtensor._spec import ShardTensorSpec, chunk_sizes
+from shardtensor._promotion import TensorPromotionMode
+from shardtensor._scatter import scatter_tensor
+from shardtensor._spec import ShardTensorSpec, TensorMeta, chunk_sharding_shapes, chunk_sizes
+from shardtensor._sync import sync_module_over_mesh
 from shardtensor._tensor import ShardTensor
 
-__all__ = ["ShardTensor", "ShardTensorSpec", "chunk_sizes"]
+__all__ = [
+    "ShardTensor",
+    "ShardTensorSpec",
+    "TensorMeta",
+    "TensorPromotionMode",
+    "chunk_sharding_shapes",
+    "chunk_sizes",
+    "scatter_tensor",
+    "sync_module_over_mesh",
+]

@@ -5,6 +5,10 @@ same meaning: equal-sized ``all_gather`` (uneven shards are padded to the larges
 ``all_to_all_single`` with uneven splits, ``all_reduce`` and equal-sized
 ``reduce_scatter`` (padded likewise). Every function issues exactly one collective,
 which is what the ledger tests count.
+
+While torch.compile traces (Dynamo, AOTAutograd), the same collectives are issued as
+functional collectives, which become nodes of the compiled graph instead of
+running on the tracer's fake tensors; eagerly they are plain c10d calls.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardtensor import _torch_private
 from shardtensor._spec import numel
 
 __all__ = [
+    "REDUCE_OPS",
     "all_gather_shapes",
+    "all_reduce",
     "all_reduce_sum",
     "all_to_all_along",
     "exchange_shapes",
@@ -81,8 +88,11 @@ def gather_along(local: torch.Tensor, dim: int, sizes: Sequence[int], group: Gro
     flat = local.contiguous().view(-1)
     if flat.numel() < width:  # uneven shards travel padded to the largest
         flat = torch.nn.functional.pad(flat, (0, width - flat.numel()))
-    out = flat.new_empty(len(sizes) * width)
-    _all_gather_single(out, flat, group=group)
+    if _torch_private.are_we_tracing():
+        out: torch.Tensor = _torch_private.funcol().all_gather_tensor(flat, 0, group)
+    else:
+        out = flat.new_empty(len(sizes) * width)
+        _all_gather_single(out, flat, group=group)
     full = with_size(local.shape, dim, sum(sizes))
     if len(set(counts)) == 1 and _flat_chunks_are_consecutive(full, dim):
         return out.view(full)
@@ -115,8 +125,12 @@ def all_to_all_along(
     chunks = torch.split(local, list(send_sizes), dim=dst_dim)
     send = _pack(local, chunks, dst_dim)
     recv_counts = [numel(s) for s in recv_shapes]
-    out = send.new_empty(sum(recv_counts))
-    dist.all_to_all_single(out, send, recv_counts, [c.numel() for c in chunks], group=group)
+    send_counts = [c.numel() for c in chunks]
+    if _torch_private.are_we_tracing():
+        out: torch.Tensor = _torch_private.funcol().all_to_all_single(send, recv_counts, send_counts, group)
+    else:
+        out = send.new_empty(sum(recv_counts))
+        dist.all_to_all_single(out, send, recv_counts, send_counts, group=group)
     full = with_size(recv_shapes[0], src_dim, sum(s[src_dim] for s in recv_shapes))
     if _flat_chunks_are_consecutive(full, src_dim):
         return out.view(full)
@@ -136,11 +150,28 @@ def _pack(local: torch.Tensor, chunks: Sequence[torch.Tensor], dim: int) -> torc
     return send
 
 
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(local: torch.Tensor, reduce_op: str, group: Group) -> torch.Tensor:
+    """Partial -> Replicate: the reduction over the group, in a new tensor (one all_reduce).
+
+    Args:
+        local: this rank's contribution.
+        reduce_op: "sum", "max" or "min".
+        group: the mesh dim's process group.
+    """
+    if _torch_private.are_we_tracing():
+        result: torch.Tensor = _torch_private.funcol().all_reduce(local.contiguous(), reduce_op, group)
+        return result
+    out = local.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group)
+    return out
+
+
 def all_reduce_sum(local: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial -> Replicate: the sum over the group, in a new tensor (one all_reduce)."""
-    out = local.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+    return all_reduce(local, "sum", group)
 
 
 def reduce_scatter_along(
@@ -164,6 +195,9 @@ def reduce_scatter_along(
         send = local.new_zeros(len(sizes) * width)
         for r, chunk in enumerate(chunks):
             send[r * width : r * width + counts[r]].view(chunk.shape).copy_(chunk)
-    out = local.new_empty(width)
-    _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
+    if _torch_private.are_we_tracing():
+        out: torch.Tensor = _torch_private.funcol().reduce_scatter_tensor(send, "sum", 0, group)
+    else:
+        out = local.new_empty(width)
+        _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
     return out[: counts[coordinate]].view(chunks[coordinate].shape)

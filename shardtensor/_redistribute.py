@@ -3,11 +3,14 @@
 A plan is a list of hops, one mesh dim each, made from the two specs alone, so
 every rank makes the same plan and issues the same collectives:
 
-1. mesh dims that become ``Replicate``: ``Shard`` -> all_gather, ``Partial`` -> all_reduce;
+1. mesh dims that become ``Replicate``: ``Shard`` -> all_gather, ``Partial`` -> all_reduce
+   (with the partial's own reduce op: sum, max, min; a pending p-norm reduces as DTensor does);
 2. mesh dims that change to another ``Shard``: ``Shard(a)`` -> one all_to_all,
-   ``Partial`` -> reduce_scatter; where the new tensor dim is still sharded by
-   another mesh dim, gather (or all_reduce) now and slice in step 3;
-3. mesh dims that go from ``Replicate`` to ``Shard``: a local slice, no collective.
+   ``Partial("sum")`` -> reduce_scatter; where the new tensor dim is still sharded by
+   another mesh dim (or the partial is not a sum), reduce or gather now and slice in step 3;
+3. mesh dims that go from ``Replicate`` to ``Shard``: a local slice, no collective;
+   from ``Replicate`` to ``Partial`` (only operators ask for it): the value on
+   coordinate 0 and the reduction's identity elsewhere, no collective.
 
 Shard sizes always come from the specs, so no hop sends shapes. The private
 :func:`_negotiate_shapes` switch brings back upstream's shape-negotiation all_to_all
@@ -27,6 +30,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardtensor import _collectives as wire
+from shardtensor import _torch_private
 from shardtensor._spec import ShardTensorSpec, chunk_sizes, make_spec
 
 __all__ = ["plan", "redistribute_local", "target_spec"]
@@ -64,14 +68,14 @@ def target_spec(src: ShardTensorSpec, placements: tuple[Placement, ...]) -> Shar
         if isinstance(p, Shard):
             kept = src.shard_sizes[m] if src.placements[m] == p else None
             sizes[m] = kept if kept is not None else chunk_sizes(src.shape[p.dim], src.mesh.size(m))
-    return make_spec(src.mesh, placements, src.shape, src.dtype, sizes)
+    return make_spec(src.mesh, placements, src.shape, src.dtype, sizes, coordinate=src.coordinate)
 
 
 @dataclass(frozen=True)
 class Hop:
     """One step of a plan: ``kind`` on ``mesh_dim``, ending at ``placement`` with ``sizes``."""
 
-    kind: str  # "all_gather", "all_reduce", "all_to_all", "reduce_scatter" or "slice"
+    kind: str  # "all_gather", "all_reduce", "all_to_all", "reduce_scatter", "slice" or "partition"
     mesh_dim: int
     placement: Placement
     sizes: tuple[int, ...] | None
@@ -99,6 +103,13 @@ def plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list[Hop]:
         target = dst.placements[m]
         if isinstance(target, Shard) and isinstance(current[m], Replicate):
             hops.append(Hop("slice", m, target, dst.shard_sizes[m]))
+        elif isinstance(target, Partial):
+            if not isinstance(current[m], Replicate):
+                raise ValueError(
+                    f"cannot redistribute mesh dim {m} from {current[m]} to {target}: only Replicate "
+                    "becomes Partial"
+                )
+            hops.append(Hop("partition", m, target, None))
     return hops
 
 
@@ -113,9 +124,10 @@ def _to_shard(mesh_dim: int, current: list[Placement], target: Shard, sizes: tup
         isinstance(p, Shard) and p.dim == target.dim for m, p in enumerate(current) if m != mesh_dim
     )
     source = current[mesh_dim]
-    # Shard(a)->Shard(a) with new sizes, or a target dim still sharded by another
-    # mesh dim: go through Replicate, then slice.
-    if sharded_elsewhere or source == target:
+    # Shard(a)->Shard(a) with new sizes, a target dim still sharded by another mesh
+    # dim, or a partial that is not a sum: go through Replicate, then slice.
+    not_a_sum = isinstance(source, Partial) and (type(source) is not Partial or source.reduce_op != "sum")
+    if sharded_elsewhere or source == target or not_a_sum:
         return _to_replicate(mesh_dim, source)
     kind = "reduce_scatter" if isinstance(source, Partial) else "all_to_all"
     return Hop(kind, mesh_dim, target, sizes)
@@ -145,7 +157,9 @@ def _run(
     group = spec.mesh.get_group(m)
     current = placements[m]
     if hop.kind == "all_reduce":
-        return wire.all_reduce_sum(local, group)
+        return _reduce(local, current, spec.mesh, m, group)
+    if hop.kind == "partition":
+        return _partition(local, hop.placement, spec.coordinate[m])
     if hop.kind == "all_gather":
         return wire.gather_along(local, _dim(current), _known(sizes[m]), group)
     new_dim, new_sizes, coordinate = _dim(hop.placement), _known(hop.sizes), spec.coordinate[m]
@@ -155,6 +169,25 @@ def _run(
     if hop.kind == "reduce_scatter":
         return wire.reduce_scatter_along(local, new_dim, new_sizes, coordinate, group)
     return _all_to_all(local, _dim(current), new_dim, _known(sizes[m]), new_sizes, coordinate, group, spec)
+
+
+def _reduce(local: torch.Tensor, partial: Placement, mesh: Any, mesh_dim: int, group: Any) -> torch.Tensor:
+    """Partial -> Replicate over one mesh dim: one all_reduce with the partial's reduce op."""
+    if type(partial) is Partial and partial.reduce_op in wire.REDUCE_OPS:
+        return wire.all_reduce(local, partial.reduce_op, group)
+    if isinstance(partial, Partial) and _torch_private.is_norm_partial(partial):
+        return _torch_private.reduce_partial_value(partial, local, mesh, mesh_dim)
+    raise ValueError(f"shardtensor cannot reduce a {partial!r} placement (supported: sum, max, min, p-norm)")
+
+
+def _partition(local: torch.Tensor, partial: Placement, coordinate: int) -> torch.Tensor:
+    """Replicate -> Partial over one mesh dim, exactly: the value once, the identity elsewhere."""
+    op = partial.reduce_op if isinstance(partial, Partial) else None
+    if type(partial) is Partial and op == "sum":
+        return local if coordinate == 0 else torch.zeros_like(local)
+    if type(partial) is Partial and op in ("max", "min"):
+        return local
+    raise ValueError(f"shardtensor cannot make a {partial!r} placement out of a replicated value")
 
 
 def _all_to_all(

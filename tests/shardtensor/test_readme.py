@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+import meshsim
 from shardtensor import ShardTensor
 
 
@@ -22,3 +23,21 @@ def test_reshard_collectives_are_pinned(distributed_mesh, rank, ledger_snapshot)
     local = torch.full((rank + 1, 8), float(rank))  # uneven shards
     st = ShardTensor.from_local(local, distributed_mesh, [Shard(0)])
     st.redistribute(placements=[Shard(1)])
+
+
+@pytest.mark.world(4)
+def test_the_operators_example(distributed_mesh, rank) -> None:
+    # The README's ShardTensor section, with the values it names checked.
+    mesh = distributed_mesh
+    local = torch.full((rank + 1, 3), float(rank))  # rows 1, 2, 3, 4 on 4 ranks
+    w, bias = torch.ones(3, 2), torch.ones(2)
+    x = ShardTensor.from_local(local, mesh, [Shard(0)])
+    with meshsim.record() as ledger:
+        y = torch.relu(x @ w) * 2 + bias
+        loss = y.mean()
+    assert ledger.counts() == {}
+    with meshsim.record() as ledger:
+        value = loss.full_tensor()
+    assert ledger.counts() == {"all_reduce": 1}
+    rows = torch.cat([torch.full((r + 1, 3), float(r)) for r in range(4)])
+    torch.testing.assert_close(value, (torch.relu(rows @ w) * 2 + bias).mean())
