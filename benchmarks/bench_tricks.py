@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _affinity, _backend, _doorbell, _state
+from meshsim import _affinity, _backend, _doorbell, _perrank, _state
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -118,6 +118,15 @@ def _plain_environ_snapshot() -> Iterator[None]:
         yield
 
 
+def _no_shared_runs() -> contextlib.AbstractContextManager[None]:
+    """Every run of per-rank module globals swapped at every hand-over, shared or not."""
+
+    def find_shared(self: _perrank.WorldSlots) -> None:
+        self._shared = [None] * len(self._plan.runs)
+
+    return _patched(_perrank.WorldSlots, "_find_shared", find_shared)
+
+
 ROWS: list[tuple[str, Toggle, Toggle, Callable[[int], float], int]] = [
     # name, shipped, plain, measure, repetitions per measurement
     ("eventfd doorbells (vs locks): all_reduce", _eventfd_doorbells, _lock_doorbells, _all_reduce_us, 400),
@@ -126,6 +135,13 @@ ROWS: list[tuple[str, Toggle, Toggle, Callable[[int], float], int]] = [
     ("CPU pinning (vs none): world", _pinning, _no_pinning, _world_us, 60),
     ("reused rank threads (vs new): world", lambda: _env_flag("1"), lambda: _env_flag("0"), _world_us, 60),
     ("ReduceOp names by hash: all_reduce", contextlib.nullcontext, _no_hash_lookup, _all_reduce_us, 400),
+    (
+        "shared per-rank runs (vs swapped): all_reduce",
+        contextlib.nullcontext,
+        _no_shared_runs,
+        _all_reduce_us,
+        400,
+    ),
     (
         "os.environ's backing dict (vs os.environ): world",
         contextlib.nullcontext,
