@@ -8,6 +8,10 @@ reports medians over rounds; the threaded/sim ratio is the median of each round'
 ratio, the two measured back to back in alternating order, with the range over
 rounds beside it. On a shared, noisy machine the ratios are meaningful even when
 the absolute numbers drift. Not a test: nothing here asserts a speed.
+
+meshsim ``sim`` runs with its wasted-collective findings on and collected, as under
+pytest; the on/off column is its cost, against the same backend with them off
+(``meshsim.run(..., redundant=False)``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
+from meshsim._findings import collecting
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -31,24 +36,39 @@ ELEMS = 256  # 1 KiB of float32
 
 
 def _ops(iters: int) -> dict[str, Callable[[], float]]:
-    """Per-rank loops; each returns seconds per call."""
+    """Per-rank loops; each returns seconds per call. Every rank sends its own values, as in a
+    real job (a collective whose inputs are the same bytes everywhere is one the findings flag),
+    except in the last, the findings' worst case: every call compared in full, and flagged."""
+
+    def mine() -> torch.Tensor:
+        return torch.full((ELEMS,), float(dist.get_rank() + 1))
 
     def all_gather() -> float:
-        x = torch.ones(ELEMS)
+        x = mine()
         out = torch.empty(ELEMS * dist.get_world_size())
         return _loop(lambda: dist.all_gather_into_tensor(out, x), iters)
 
     def all_reduce() -> float:
-        x = torch.ones(ELEMS)
-        return _loop(lambda: dist.all_reduce(x), iters)
+        x, start = mine(), mine()
+        # each call starts again from the rank's own values (the sum is the same on every rank)
+        return _loop(lambda: dist.all_reduce(x.copy_(start)), iters)
 
     def all_to_all() -> float:
         ws = dist.get_world_size()
-        x = torch.ones(ELEMS * ws)
+        x = mine().repeat(ws)
         out = torch.empty(ELEMS * ws)
         return _loop(lambda: dist.all_to_all_single(out, x), iters)
 
-    return {"all_gather_into_tensor": all_gather, "all_reduce": all_reduce, "all_to_all_single": all_to_all}
+    def all_reduce_same() -> float:
+        x, start = torch.ones(ELEMS), torch.ones(ELEMS)
+        return _loop(lambda: dist.all_reduce(x.copy_(start)), iters)
+
+    return {
+        "all_gather_into_tensor": all_gather,
+        "all_reduce": all_reduce,
+        "all_to_all_single": all_to_all,
+        "all_reduce, same bytes": all_reduce_same,
+    }
 
 
 def _loop(call: Callable[[], object], iters: int) -> float:
@@ -91,10 +111,19 @@ def _run_threaded(fn: Callable[[], float], world_size: int) -> list[float]:
 
 def _runners() -> dict[str, Callable[[Callable[[], float], int], list[float]]]:
     return {
-        "meshsim sim": lambda fn, ws: meshsim.run(fn, ws),
+        # findings on, and looked at, as under pytest (whose plugin collects them per test)
+        "meshsim sim": _sim_collecting,
         "torch threaded": _run_threaded,
+        # the wasted-collective findings off: what comparing every rank's payload costs the sim
+        # backend (the ops above send the same bytes from every rank: the findings' worst case)
+        "sim findings off": lambda fn, ws: meshsim.run(fn, ws, redundant=False),
         "meshsim gloo": lambda fn, ws: meshsim.run(fn, ws, backend="gloo"),
     }
+
+
+def _sim_collecting(fn: Callable[[], float], world_size: int) -> list[float]:
+    with collecting():
+        return meshsim.run(fn, world_size)
 
 
 def _fresh_threads(fn: Callable[[], float], world_size: int) -> list[float]:
@@ -153,7 +182,7 @@ def main() -> None:
         # sim and threaded back to back, in alternating order, so that each round's
         # ratio compares the two under the same machine conditions; gloo after them
         order = ["meshsim sim", "torch threaded"] if round_ % 2 == 0 else ["torch threaded", "meshsim sim"]
-        order.append("meshsim gloo")
+        order += ["sim findings off", "meshsim gloo"]
         for ws in sizes:
             for op in _ops(iters):
                 for name in order:
@@ -216,15 +245,16 @@ def _print(
     header = (
         f"{'operation':24} {'ws':>3} "
         + " ".join(f"{n:>16}" for n in names)
-        + f" {'threaded/sim':>13} {'(rounds: min-max)':>18}"
+        + f" {'threaded/sim':>13} {'(rounds: min-max)':>18} {'on/off':>7}"
     )
     print(
         f"median microseconds per call (per world for setup+teardown), 1 KiB float32, {rounds} rounds;\n"
-        "threaded/sim is the median of each round's ratio (the two measured back to back)"
+        "threaded/sim is the median of each round's ratio (the two measured back to back);\n"
+        "on/off: meshsim sim with the wasted-collective findings on (the default) over off, median ratio"
     )
     print(header)
     print("-" * len(header))
-    ops = ["all_gather_into_tensor", "all_reduce", "all_to_all_single", "setup+teardown"]
+    ops = [*_ops(1), "setup+teardown"]
     for op in ops:
         for ws in sizes:
             med = {n: statistics.median(table[(op, n, ws)]) * 1e6 for n in names}
@@ -232,7 +262,9 @@ def _print(
             ratios = [threaded / sim for threaded, sim in pairs]
             cells = " ".join(f"{med[n]:16.1f}" for n in names)
             spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-            print(f"{op:24} {ws:>3} {cells} {statistics.median(ratios):12.2f}x {spread:>18}")
+            pairs = zip(table[(op, "meshsim sim", ws)], table[(op, "sim findings off", ws)])
+            cost = statistics.median(on / off for on, off in pairs)
+            print(f"{op:24} {ws:>3} {cells} {statistics.median(ratios):12.2f}x {spread:>18} {cost:6.2f}x")
     for key, text in (
         ("fresh threads", "meshsim sim setup+teardown with MESHSIM_REUSE_THREADS=0 (new rank threads)"),
         ("bare threads", "starting and joining bare Python threads, one per rank (what reuse saves)"),

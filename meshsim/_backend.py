@@ -22,6 +22,7 @@ slot, which runs ``AllReduce.execute`` on every rank's description, computing wi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -282,17 +283,21 @@ class SimProcessGroup(dist.ProcessGroup):
         where: str | FrameType = frame
         seq = self._seq
         self._seq = seq + 1
+        entry = None
         if self._ledgers:
-            where = self._record(frame, payload, seq)
-        call = Call(self._group_rank, payload, payload.signature(), where)
+            entry = self._record(frame, payload, seq)
+            where = entry.site
+        call = Call(self._group_rank, payload, payload.signature(), where, entry is not None)
         context = self._context
-        context.rendezvous.meet(self._group, seq, call, context.rank)
+        wasted = context.rendezvous.meet(self._group, seq, call, context.rank)
+        if wasted is not None and entry is not None:
+            self._mark(entry, wasted)
         if opts is not None and getattr(opts, "asyncOp", True) is False:
             return DONE  # dist.*(async_op=False) waits on this Work and drops it
         return completed(payload.result())
 
-    def _record(self, frame: FrameType, payload: Description, seq: int) -> str:
-        """Add the call to the open ledgers; returns its site."""
+    def _record(self, frame: FrameType, payload: Description, seq: int) -> Collective:
+        """Add the call to the open ledgers; returns the entry."""
         ranks = self._group.ranks
         site = _sites.site_of(frame)
         dtype, bytes_in, bytes_out = payload.traffic(self._group_rank)
@@ -311,7 +316,15 @@ class SimProcessGroup(dist.ProcessGroup):
             peer,
         )
         _ledger.append(entry)
-        return site
+        return entry
+
+    def _mark(self, entry: Collective, wasted: str) -> None:
+        """Give ``entry`` its reason in the open ledgers (the rank appended nothing since: it waited)."""
+        marked = dataclasses.replace(entry, redundant=wasted)
+        for ledger in self._ledgers:
+            calls = ledger.calls
+            if calls and calls[-1] is entry:
+                calls[-1] = marked
 
     # -- reductions -------------------------------------------------------------------
 

@@ -12,7 +12,10 @@ in one place:
 - ``execute(payloads)``: given every rank's description in group-rank order,
   compute with :mod:`meshsim._movement` and write each rank's outputs;
 - ``compat(payloads)``: for what may differ between ranks (all_to_all splits,
-  gathered shapes), the problems that make the ranks' calls not fit together.
+  gathered shapes), the problems that make the ranks' calls not fit together;
+- ``wasted(payloads)``: why the call could not tell any rank anything new (every
+  rank contributed the same bytes, a broadcast to ranks that hold the root's bytes),
+  or None; asked before the data moves.
 
 Every result is computed before any output is written, so inputs that alias
 outputs (FSDP's all_gather input is a view of its output) are safe. Outputs are
@@ -88,11 +91,17 @@ class Description:
     Class attributes:
         op: the normalized operation the ledger shows (``all_reduce``, ``all_gather``, ...).
         compat: the cross-rank check for what may differ between ranks, or None.
+        wasted: the check for a call that tells no rank anything new, or None.
     """
 
     op: ClassVar[str]
     compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = None
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = None
     api: str
+
+    def contributed(self) -> list[Tensor]:
+        """The tensors whose bytes this rank puts on the wire (compared with earlier calls)."""
+        return []
 
     def signature(self) -> tuple[Any, ...]:
         raise NotImplementedError
@@ -213,7 +222,71 @@ def _numel_shapes(table: Sequence[Sequence[Any]]) -> list[list[tuple[int, ...] |
     return [[None if s is None else (_numel(s),) for s in row] for row in table]
 
 
+# -- wasted calls ----------------------------------------------------------------------------
+
+
+def _same_everywhere(per_rank: Sequence[Sequence[Tensor]]) -> bool:
+    """Whether every rank's tensors hold the bytes rank 0's hold (stops at the first difference)."""
+    count = len(per_rank[0])
+    if count == 1:  # the common case, without the loop below
+        return all(len(tensors) == 1 for tensors in per_rank) and mv.all_same_bytes(
+            [tensors[0] for tensors in per_rank]
+        )
+    if any(len(tensors) != count for tensors in per_rank):
+        return False
+    return all(mv.all_same_bytes([tensors[j] for tensors in per_rank]) for j in range(count))
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+_NOTHING = "every rank's input is empty (0 bytes): the call moves nothing"
+
+
+def _same_contribution(per_rank: Sequence[Sequence[Tensor]], who: str) -> str | None:
+    if not _same_everywhere(per_rank):
+        return None
+    if nbytes(per_rank[0]) == 0:  # the same shapes everywhere, all empty
+        return _NOTHING
+    return (
+        f"every rank contributed the same {_plural(nbytes(per_rank[0]), 'byte')}: "
+        f"{who} could build the result from its own input"
+    )
+
+
+def _local_reduction(op: str, ranks: int) -> str | None:
+    """What reducing ``ranks`` equal inputs with ``op`` gives, in words; None when it is not local."""
+    if op in ("AVG", "MAX", "MIN", "BAND", "BOR"):
+        return "the input itself"
+    if op == "SUM":
+        return f"{ranks} x the input"
+    if op == "PRODUCT":
+        return f"the input to the power {ranks}"
+    if op == "BXOR":
+        return "the input itself" if ranks % 2 else "zero"
+    return None  # PREMUL_SUM: each rank's factor is its own
+
+
+def _same_reduction(op: str, per_rank: Sequence[Sequence[Tensor]], who: str) -> str | None:
+    if not _same_everywhere(per_rank):
+        return None
+    if nbytes(per_rank[0]) == 0:  # the same shapes everywhere, all empty
+        return _NOTHING
+    local = _local_reduction(op, len(per_rank))
+    if local is None:
+        return None
+    return (
+        f"every rank's input is the same {_plural(nbytes(per_rank[0]), 'byte')}: the {op} is {local}, "
+        f"which {who} could compute locally"
+    )
+
+
 # -- reductions --------------------------------------------------------------------------
+
+
+def _all_reduce_wasted(payloads: Sequence[AllReduce]) -> str | None:
+    return _same_reduction(payloads[0].op_name, [p.tensors for p in payloads], "each rank")
 
 
 @dataclass(slots=True, eq=False)
@@ -226,6 +299,10 @@ class AllReduce(Description):
     api: str = "all_reduce"
 
     op: ClassVar[str] = "all_reduce"
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_reduce_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.tensors
 
     def signature(self) -> tuple[Any, ...]:
         return (self.op_name, meta(self.tensors))
@@ -262,6 +339,10 @@ class AllReduce(Description):
             _write_all([p.tensors[i] for p in payloads], result)
 
 
+def _reduce_wasted(payloads: Sequence[Reduce]) -> str | None:
+    return _same_reduction(payloads[0].op_name, [p.tensors for p in payloads], "the root")
+
+
 @dataclass(slots=True, eq=False)
 class Reduce(Description):
     """``dist.reduce``: the root's tensors become the reduction of every rank's."""
@@ -273,6 +354,10 @@ class Reduce(Description):
     api: str = "reduce"
 
     op: ClassVar[str] = "reduce"
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _reduce_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.tensors
 
     def signature(self) -> tuple[Any, ...]:
         return (self.op_name, self.dst, meta(self.tensors))
@@ -322,6 +407,10 @@ def _reduce_scatter_compat(payloads: Sequence[ReduceScatter]) -> list[mv.Problem
     return problems
 
 
+def _reduce_scatter_wasted(payloads: Sequence[ReduceScatter]) -> str | None:
+    return _same_reduction(payloads[0].op_name, [p._inputs() for p in payloads], "each rank")
+
+
 @dataclass(slots=True, eq=False)
 class ReduceScatter(Description):
     """``dist.reduce_scatter``: rank r's ``outputs[j]`` reduces every rank's ``input_lists[j][r]``."""
@@ -334,6 +423,10 @@ class ReduceScatter(Description):
 
     op: ClassVar[str] = "reduce_scatter"
     compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _reduce_scatter_compat
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _reduce_scatter_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self._inputs()
 
     def _inputs(self) -> list[Tensor]:
         return [t for lst in self.input_lists for t in lst]
@@ -369,6 +462,10 @@ class ReduceScatter(Description):
                 _write(out, result)
 
 
+def _reduce_scatter_tensor_wasted(payloads: Sequence[ReduceScatterTensor]) -> str | None:
+    return _same_reduction(payloads[0].op_name, [p.inputs for p in payloads], "each rank")
+
+
 @dataclass(slots=True, eq=False)
 class ReduceScatterTensor(Description):
     """``dist.reduce_scatter_tensor``: rank r gets the r-th chunk of each reduced ``inputs[j]``."""
@@ -380,6 +477,10 @@ class ReduceScatterTensor(Description):
     api: str = "reduce_scatter_tensor"
 
     op: ClassVar[str] = "reduce_scatter"
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _reduce_scatter_tensor_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.inputs
 
     def signature(self) -> tuple[Any, ...]:
         return (self.op_name, meta(self.inputs), meta(self.outputs))
@@ -426,6 +527,10 @@ def _all_gather_compat(payloads: Sequence[AllGather]) -> list[mv.Problem]:
     return problems
 
 
+def _all_gather_wasted(payloads: Sequence[AllGather]) -> str | None:
+    return _same_contribution([p.inputs for p in payloads], "each rank")
+
+
 @dataclass(slots=True, eq=False)
 class AllGather(Description):
     """``dist.all_gather`` (list form): ``output_lists[j][s]`` receives rank s's ``inputs[j]``."""
@@ -436,6 +541,10 @@ class AllGather(Description):
 
     op: ClassVar[str] = "all_gather"
     compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _all_gather_compat
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_gather_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.inputs
 
     def _outputs(self) -> list[Tensor]:
         return [t for lst in self.output_lists for t in lst]
@@ -462,6 +571,10 @@ class AllGather(Description):
                     _write(out, src)
 
 
+def _all_gather_into_tensor_wasted(payloads: Sequence[AllGatherIntoTensor]) -> str | None:
+    return _same_contribution([p.inputs for p in payloads], "each rank")
+
+
 @dataclass(slots=True, eq=False)
 class AllGatherIntoTensor(Description):
     """``dist.all_gather_into_tensor``: ``outputs[j]`` concatenates every rank's flat ``inputs[j]``."""
@@ -471,6 +584,10 @@ class AllGatherIntoTensor(Description):
     api: str = "all_gather_into_tensor"
 
     op: ClassVar[str] = "all_gather"
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_gather_into_tensor_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.inputs
 
     def signature(self) -> tuple[Any, ...]:
         return (meta(self.inputs), meta(self.outputs))
@@ -503,6 +620,10 @@ def _gather_compat(payloads: Sequence[Gather]) -> list[mv.Problem]:
     return mv.compat_exchange(_numel_shapes(sent), _numel_shapes(expected), "a tensor")
 
 
+def _gather_wasted(payloads: Sequence[Gather]) -> str | None:
+    return _same_contribution([[p.input] for p in payloads], "the root")
+
+
 @dataclass(slots=True, eq=False)
 class Gather(Description):
     """``dist.gather``: the root's ``outputs[s]`` receives rank s's ``input``."""
@@ -514,6 +635,10 @@ class Gather(Description):
 
     op: ClassVar[str] = "gather"
     compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _gather_compat
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _gather_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return [self.input]
 
     def signature(self) -> tuple[Any, ...]:
         return (self.dst, self.input.dtype)
@@ -584,6 +709,15 @@ class Scatter(Description):
             _write(payload.output, piece)
 
 
+def _broadcast_wasted(payloads: Sequence[Broadcast]) -> str | None:
+    if not _same_everywhere([p.tensors for p in payloads]):
+        return None
+    if nbytes(payloads[0].tensors) == 0:
+        return _NOTHING
+    n = nbytes(payloads[0].tensors)
+    return f"every rank already held the root's {_plural(n, 'byte')}"
+
+
 @dataclass(slots=True, eq=False)
 class Broadcast(Description):
     """``dist.broadcast``: every rank's tensors become the root's."""
@@ -593,6 +727,10 @@ class Broadcast(Description):
     api: str = "broadcast"
 
     op: ClassVar[str] = "broadcast"
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _broadcast_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.tensors
 
     def signature(self) -> tuple[Any, ...]:
         return (self.src, meta(self.tensors))
@@ -637,6 +775,14 @@ def _all_to_all_single_compat(payloads: Sequence[AllToAllSingle]) -> list[mv.Pro
     )
 
 
+def _all_to_all_single_wasted(payloads: Sequence[AllToAllSingle]) -> str | None:
+    # Rank d receives every sender's piece for d. Those pieces all equal d's own piece exactly
+    # when every rank's whole input is the same bytes cut the same way, so that is the whole rule.
+    if any(list(p.input_splits) != list(payloads[0].input_splits) for p in payloads):
+        return None
+    return _same_contribution([[p.input] for p in payloads], "each rank")
+
+
 @dataclass(slots=True, eq=False)
 class AllToAllSingle(Description):
     """``dist.all_to_all_single``: rank r receives the r-th dim-0 piece of every rank's ``input``."""
@@ -649,6 +795,10 @@ class AllToAllSingle(Description):
 
     op: ClassVar[str] = "all_to_all"
     compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _all_to_all_single_compat
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_to_all_single_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return [self.input]
 
     def signature(self) -> tuple[Any, ...]:
         return (self.input.dtype, self.output.dtype)
@@ -679,6 +829,11 @@ def _all_to_all_compat(payloads: Sequence[AllToAll]) -> list[mv.Problem]:
     return mv.compat_exchange(sent, expected, "a tensor")
 
 
+def _all_to_all_wasted(payloads: Sequence[AllToAll]) -> str | None:
+    # as for all_to_all_single: equal pieces for every destination means equal inputs
+    return _same_contribution([p.inputs for p in payloads], "each rank")
+
+
 @dataclass(slots=True, eq=False)
 class AllToAll(Description):
     """``dist.all_to_all``: rank r's ``outputs[s]`` receives rank s's ``inputs[r]``."""
@@ -689,6 +844,10 @@ class AllToAll(Description):
 
     op: ClassVar[str] = "all_to_all"
     compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _all_to_all_compat
+    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_to_all_wasted
+
+    def contributed(self) -> list[Tensor]:
+        return self.inputs
 
     def signature(self) -> tuple[Any, ...]:
         return (tuple(t.dtype for t in self.inputs + self.outputs),)

@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -53,6 +53,10 @@ class Collective:
             send and recv: in the sequence of messages between this pair of ranks).
         site: ``file.py:LINE in function`` of the first caller outside torch and meshsim.
         peer: the global rank at the other end of a send, recv or rooted collective.
+        redundant: why the call could not have told any rank anything new (every rank
+            contributed the same bytes, ...), or None. Only the ``sim`` backend looks
+            (gloo and NCCL ranks cannot see each other's data); equality ignores it,
+            so ledgers compare equal across backends.
     """
 
     op: str
@@ -65,14 +69,16 @@ class Collective:
     seq: int
     site: str
     peer: int | None = None
+    redundant: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
         extra = f" {self.reduce_op}" if self.reduce_op else ""
         peer = f" peer={self.peer}" if self.peer is not None else ""
+        wasted = f" [redundant: {self.redundant}]" if self.redundant else ""
         return (
             f"{self.api}{extra} {dtype} group={list(self.group)}{peer} "
-            f"in={_human(self.bytes_in)} out={_human(self.bytes_out)} #{self.seq} at {self.site}"
+            f"in={_human(self.bytes_in)} out={_human(self.bytes_out)} #{self.seq} at {self.site}{wasted}"
         )
 
 
@@ -123,6 +129,10 @@ class Ledger:
         attr = "bytes_out" if direction == "out" else "bytes_in"
         return sum(getattr(c, attr) for c in self.calls if op is None or c.op == op)
 
+    def redundant(self) -> list[Collective]:
+        """The calls found wasted (``redundant`` set), oldest first: none on gloo and NCCL."""
+        return [call for call in self.calls if call.redundant]
+
     def project(self, *names: str) -> list[tuple[object, ...]]:
         """The calls reduced to the named fields, for exact comparisons in tests.
 
@@ -152,8 +162,14 @@ class Ledger:
         rows = [_COLUMNS] + [_row(i, c) for i, c in enumerate(self.calls)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+        wasted = [(i, c) for i, c in enumerate(self.calls) if c.redundant]
+        for k, (i, _) in enumerate(wasted):  # a mark after the row, the reason below the table
+            lines[i + 1] += f"  [redundant {k + 1}]"
         total = f"{len(self.calls)} collectives, {_human(self.bytes())} received"
-        return "\n".join([*lines, total])
+        if wasted:
+            total += f", {len(wasted)} redundant"
+        notes = [f"[redundant {k + 1}] #{i}: {c.redundant}" for k, (i, c) in enumerate(wasted)]
+        return "\n".join([*lines, total, *notes])
 
 
 def _row(index: int, c: Collective) -> tuple[str, ...]:

@@ -24,7 +24,10 @@ __all__ = [
     "all_to_all_single",
     "check_reduce_dtype",
     "reduce",
+    "nbytes_of",
     "reduce_scatter_flat",
+    "all_same_bytes",
+    "same_bytes",
     "split_sizes",
 ]
 
@@ -139,6 +142,67 @@ def all_to_all(inputs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
     """Rank ``r`` receives entry ``r`` of every rank's input list, in sender order."""
     n = len(inputs)
     return [[inputs[src][dst] for src in range(n)] for dst in range(n)]
+
+
+# -- comparing what ranks contributed ---------------------------------------------------------
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PREFILTER = 4096  # elements: above this, a few leading elements are compared first
+
+
+def nbytes_of(tensors: Sequence[Tensor]) -> int:
+    """The bytes ``tensors`` hold together."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def same_bytes(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bytes: same dtype, shape and device, bitwise equal.
+
+    Floating point and complex tensors are compared as integers of their width, so that
+    ``-0.0`` and ``0.0`` differ and a NaN equals itself bit for bit. Long tensors compare
+    a few leading elements before all of them (different data, the common case, answers
+    at once).
+    """
+    return all_same_bytes((a, b))
+
+
+def all_same_bytes(tensors: Sequence[Tensor]) -> bool:
+    """Whether every tensor in ``tensors`` holds the bytes the first holds (as :func:`same_bytes`).
+
+    The first is viewed as integers once; the comparison stops at the first difference.
+    """
+    first = tensors[0]
+    dtype, shape, device = first.dtype, first.shape, first.device
+    as_int = _INT_OF.get(dtype)
+    bits = _as_bits(first) if as_int is None else first.view(as_int)
+    head = bits.reshape(-1)[:64] if bits.numel() > _PREFILTER else None
+    for other in tensors[1:]:
+        if other.dtype != dtype or other.shape != shape or other.device != device:
+            return False
+        other_bits = _as_bits(other) if as_int is None else other.view(as_int)
+        if head is not None and not torch.equal(head, other_bits.reshape(-1)[:64]):
+            return False
+        if not torch.equal(bits, other_bits):
+            return False
+    return True
+
+
+# the floating point dtypes' integers of the same width; complex goes through _as_bits
+_INT_OF = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _as_bits(t: Tensor) -> Tensor:
+    """``t`` viewed as integers of the same width (any strides), for bitwise comparison."""
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    if t.dtype.is_floating_point:
+        return t.view(_BITS[t.element_size()])
+    return t
 
 
 class Problem(NamedTuple):

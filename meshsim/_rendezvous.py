@@ -16,14 +16,18 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from meshsim import _findings
 from meshsim._collectives import Description
 from meshsim._errors import CollectiveMismatchError, WorldAborted
 from meshsim._movement import Problem, culprits
 from meshsim._p2p import Mailbox
 from meshsim._scheduler import Scheduler, Waitable
 from meshsim._sites import site_of
+
+if TYPE_CHECKING:
+    from meshsim._trace import Tracer
 
 __all__ = ["Call", "GroupState", "Rendezvous", "Slot"]
 
@@ -43,12 +47,16 @@ class Call:
         signature: what must be equal on every rank (``payload.signature()``, taken once).
         where: ``file.py:LINE in function`` of the user's call, or the frame of the call, read
             only when needed (the rank is still inside its call whenever an error is built).
+        recording: whether the rank records the call in a ledger (which then shows its findings).
+        arrived: when the rank arrived, in a traced world (:mod:`meshsim._trace`).
     """
 
     group_rank: int
     payload: Description
     signature: tuple[Any, ...]
     where: str | FrameType
+    recording: bool = False
+    arrived: float = 0.0
 
     @property
     def op(self) -> str:
@@ -71,14 +79,18 @@ def _label(ranks: tuple[int, ...]) -> str:
 
 
 class GroupState:
-    """A process group as the whole world sees it: its ranks, open slots and mailbox."""
+    """A process group as the whole world sees it: its ranks, open slots and mailbox.
 
-    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
+    ``findings``: whether its calls are checked for waste (see :mod:`meshsim._findings`).
+    """
+
+    def __init__(self, name: str, ranks: tuple[int, ...], findings: bool = False) -> None:
         self.name = name
         self.ranks = ranks
         self.size = len(ranks)
         self.slots: dict[int, Slot] = {}
         self.mailbox = Mailbox(ranks)  # not the group: no reference cycle
+        self.repeats: _findings.Repeats | None = _findings.Repeats() if findings and len(ranks) > 1 else None
 
     def label(self) -> str:
         return _label(self.ranks)
@@ -94,6 +106,8 @@ class Slot(Waitable):
         self.calls: list[Call | None] = [None] * group.size
         self.arrived = 0
         self.mismatch = False
+        self.wasted: str | None = None  # why the call told no rank anything new, when it did not
+        self.last: Call | None = None  # the last rank's call: the one the others waited for
         self._first: Call | None = None
 
     def add(self, call: Call) -> None:
@@ -105,8 +119,11 @@ class Slot(Waitable):
         elif type(first.payload) is not type(call.payload) or first.signature != call.signature:
             self.mismatch = True
 
-    def complete(self) -> None:
-        """Check every rank's call, then move the data. All ranks have arrived."""
+    def complete(self, looking: bool = False) -> None:
+        """Check every rank's call, then move the data. All ranks have arrived.
+
+        ``looking``: someone sees this call's findings even if no rank records it (a trace).
+        """
         calls = [c for c in self.calls if c is not None]
         if self.mismatch:
             self.error = self._mismatch_error("ranks entered different collectives")
@@ -119,6 +136,11 @@ class Slot(Waitable):
                 f"the ranks' {calls[0].op} arguments do not fit together", problems
             )
             return
+        repeats = self.group.repeats
+        # before the data moves (in-place calls overwrite their inputs), and only where a finding
+        # can be seen: a rank's ledger, or a collector (the pytest plugin's, per test)
+        if repeats is not None and (looking or _findings.wanted() or any(c.recording for c in calls)):
+            self._find_waste(kind, calls, payloads, repeats)
         try:
             kind.execute(payloads)
         except Exception as exc:  # a bug in meshsim, or an input torch would reject
@@ -126,6 +148,27 @@ class Slot(Waitable):
                 f"meshsim could not carry out {self._where()} ({calls[0].text}): {exc!r}"
             )
             self.error.__cause__ = exc
+
+    def _find_waste(
+        self,
+        kind: type[Description],
+        calls: list[Call],
+        payloads: list[Description],
+        repeats: _findings.Repeats,
+    ) -> None:
+        first = calls[0]
+        reason = kind.wasted(payloads) if kind.wasted is not None else None
+        if reason is None:
+            # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
+            key = (kind, first.payload.api, first.signature)
+            reason = repeats.check(key, self.seq, [p.contributed() for p in payloads])
+            if reason is None:
+                return
+        self.wasted = reason
+        if _findings.wanted():
+            _findings.report(
+                _findings.Finding(first.op, first.payload.api, self.group.ranks, self.seq, first.site, reason)
+            )
 
     def describe(self, rank: int) -> str:
         call = self.calls[self.group.ranks.index(rank)]
@@ -205,6 +248,8 @@ class Rendezvous:
     """Every group of one world, by name."""
 
     scheduler: Scheduler
+    findings: bool = False  # check calls for waste (meshsim._findings)
+    tracer: Tracer | None = None  # draws the world (meshsim._trace)
     groups: dict[str, GroupState] = field(default_factory=dict)
 
     def group(self, name: str, ranks: tuple[int, ...], caller: int) -> GroupState:
@@ -216,7 +261,7 @@ class Rendezvous:
         with self.scheduler:
             group = self.groups.get(name)
             if group is None:
-                group = self.groups[name] = GroupState(name, ranks)
+                group = self.groups[name] = GroupState(name, ranks, self.findings)
             elif group.ranks != ranks:
                 raise ValueError(
                     f"rank {caller} created process group {name!r} with ranks {list(ranks)}, "
@@ -226,16 +271,32 @@ class Rendezvous:
                 )
             return group
 
-    def meet(self, group: GroupState, seq: int, call: Call, rank: int) -> None:
+    def meet(self, group: GroupState, seq: int, call: Call, rank: int) -> str | None:
         """Join call ``seq`` on ``group`` as global ``rank``, and return once every rank has arrived.
 
         The last rank to arrive completes the call. One hold of the scheduler's lock
         covers the arrival and the wait, and the wake-ups go out as it is released.
 
+        Returns:
+            why the call told no rank anything new, when the group checks for that.
+
         Raises:
             CollectiveMismatchError: the ranks' calls do not fit together.
             WorldAborted: the world failed.
         """
+        tracer = self.tracer
+        if tracer is None:
+            return self._meet(group, seq, call, rank).wasted
+        call.arrived = tracer.now()
+        try:
+            slot = self._meet(group, seq, call, rank)
+        except BaseException as exc:
+            tracer.collective(rank, group, call, None, exc)
+            raise
+        tracer.collective(rank, group, call, slot)
+        return slot.wasted
+
+    def _meet(self, group: GroupState, seq: int, call: Call, rank: int) -> Slot:
         scheduler = self.scheduler
         scheduler.lock.acquire()
         try:
@@ -247,9 +308,11 @@ class Rendezvous:
             slot.add(call)
             if slot.arrived == group.size:
                 del group.slots[seq]
-                slot.complete()
+                slot.last = call
+                slot.complete(self.tracer is not None)
                 scheduler.wake(slot)
         except BaseException:
             scheduler.lock.release()
             raise
         scheduler.wait_locked(rank, slot)
+        return slot

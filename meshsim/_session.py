@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshsim import _rng, _state
+from meshsim import _rng, _state, _trace
 from meshsim._affinity import pin, unpin
 from meshsim._backend import current_context
 from meshsim._scheduler import Waitable
 from meshsim._state import ProcessState
-from meshsim._world import _check_args, _World
+from meshsim._world import _check_args, _name_of, _World
 
 __all__ = ["Session"]
 
@@ -120,13 +120,32 @@ class Session:
         if self._world is not None:
             self._call(fn, args)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """Run ``fn(*args)`` on every rank; returns each rank's result, or raises as :func:`meshsim.run`."""
+    def call(self, fn: Callable[..., Any], *args: Any, name: str | None = None) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; returns each rank's result, or raises as :func:`meshsim.run`.
+
+        ``name``: what a trace calls the call (under pytest ``--mesh-trace``); ``fn``'s name by default.
+        """
         if self._world is None:
             self._start()
             for setup, setup_args in self._setup:
                 self._call(setup, setup_args)
-        return self._call(fn, args)
+        world = self._world
+        path = _trace.target(None) if self.backend == "sim" else None
+        if world is None or path is None:
+            return self._call(fn, args)
+        tracer = _trace.Tracer(path, self.world_size, name or _name_of(fn))
+        world.tracer = world.rendezvous.tracer = tracer
+        start = tracer.now()
+        try:
+            return self._call(fn, args)
+        finally:
+            world.tracer = world.rendezvous.tracer = None
+            outcome = (
+                "finished: its function returned" if world.scheduler.error is None else "the world failed"
+            )
+            for rank in range(self.world_size):  # one slice per rank for the call, from its start
+                tracer.rank_function(rank, name or _name_of(fn), start, outcome)
+            world.finish_trace(tracer)
 
     def close(self) -> None:
         """End the world (if one runs), letting every rank finish; raises if that fails."""
@@ -163,6 +182,7 @@ class Session:
             serialize=self.backend == "sim",
             gpu_paths=self.gpu_paths,
             num_threads=self.num_threads,
+            traced=False,  # call by call instead (_call)
         )
         world.scheduler.on_idle = calls.idle.set
         self._allowed = allowed = world.place()

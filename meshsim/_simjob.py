@@ -123,7 +123,7 @@ class SimulatedJob:
             each rank's ledger of the body, rank 0's first: recorded when ``record`` is
             true or the test asked for its ``ledger``, else None.
         """
-        return self.session.call(self._body, test, funcargs, record)
+        return self.session.call(self._body, test, funcargs, record, name=getattr(test, "__name__", None))
 
     def finish_fixture(self, key: object, world: int) -> None:
         """Tear down a user fixture on the ranks that built it (if their world still runs)."""

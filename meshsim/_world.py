@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import Store
 
-from meshsim import _affinity, _patches, _threads
+from meshsim import _affinity, _findings, _patches, _threads, _trace
 from meshsim._backend import (
     BACKEND_NAME,
     RankContext,
@@ -59,6 +60,8 @@ def run(
     serialize: bool = True,
     gpu_paths: bool = True,
     num_threads: int | None = 1,
+    redundant: bool | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank of a simulated world and return the results.
 
@@ -87,6 +90,14 @@ def run(
             GPUs (DTensor Shard->Shard is all_gather+chunk on CPU, all_to_all on
             CUDA), take the GPU path, so ledgers show what GPUs do.
         num_threads: ``torch.set_num_threads`` in each rank thread; None leaves it.
+        redundant: look for wasted collectives (calls that could not tell any rank
+            anything new: ``Collective.redundant`` in ledgers). None (the default):
+            on unless ``MESHSIM_REDUNDANT=0`` is in the environment. ``sim`` only.
+        trace: write the world as a timeline to this file when it ends, failed or not:
+            Chrome trace-event JSON, one track per rank, a slice per collective from
+            arrival to release, arrows to the last rank to arrive (Perfetto's UI and
+            chrome://tracing open it). ``sim`` only. Under pytest, ``--mesh-trace=DIR``
+            gives each test's worlds a file without this argument.
 
     Returns:
         each rank's return value, in rank order.
@@ -98,6 +109,15 @@ def run(
         TypeError, ValueError: a bad argument.
     """
     _check_args(fn, world_size, timeout, backend, num_threads)
+    if redundant is not None and not isinstance(redundant, bool):
+        raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
+    if trace is not None:
+        _trace.checked_path(trace)
+        if backend != "sim":
+            raise ValueError(
+                f"trace={str(trace)!r} draws a simulated world; backend={backend!r} ranks are not "
+                "seen by meshsim between their calls: use backend='sim'"
+            )
     world = _World(
         fn,
         world_size,
@@ -108,8 +128,14 @@ def run(
         serialize=serialize and backend == "sim",
         gpu_paths=gpu_paths,
         num_threads=num_threads,
+        redundant=redundant,
+        trace=trace,
     )
     return world.run()
+
+
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _check_args(fn: Any, world_size: Any, timeout: Any, backend: Any, num_threads: Any) -> None:
@@ -147,6 +173,9 @@ class _World:
         serialize: bool,
         gpu_paths: bool,
         num_threads: int | None,
+        redundant: bool | None = None,
+        trace: str | os.PathLike[str] | None = None,
+        traced: bool = True,
     ) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.world_size = world_size
@@ -172,7 +201,12 @@ class _World:
         # wakes the caller when the last rank thread is through, not when the last
         # rank finishes its function and is still tidying up
         self.jobs = _threads.Countdown(world_size, also=self.scheduler.finished)
-        self.rendezvous = Rendezvous(self.scheduler)
+        findings = _findings.enabled_by_default() if redundant is None else redundant
+        path = _trace.target(trace) if backend == "sim" and traced else None
+        self.tracer = _trace.Tracer(path, world_size, _name_of(fn)) if path is not None else None
+        self.rendezvous = Rendezvous(
+            self.scheduler, findings=findings and backend == "sim", tracer=self.tracer
+        )
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
         self.num_threads_default = 1  # the caller's, for reused threads when num_threads is None
@@ -215,7 +249,16 @@ class _World:
                 raise
         finally:
             self.close(saved)
+            if self.tracer is not None:
+                self.finish_trace(self.tracer)
         return self._outcome()
+
+    def finish_trace(self, tracer: _trace.Tracer) -> None:
+        """Write the trace, with the world's error on the process if no rank raised it."""
+        error = self.scheduler.error
+        if error is not None and not tracer.failed:  # no rank raised it: a timeout, a deadlock
+            tracer.error(None, error)
+        tracer.write()
 
     def open(self) -> ProcessState:
         """Install what worlds need, capture the caller's state and start the ranks; returns that state."""
@@ -387,19 +430,26 @@ class _World:
         # The failure is recorded before the process groups are torn down: on gloo,
         # tearing down closes sockets, and the peers' resulting errors must not be
         # mistaken for the first failure.
+        tracer = self.tracer
+        start = tracer.now() if tracer is not None else 0.0
+        outcome = "stopped: the world failed"
         try:
             self._init_process_group(context)
             self.results[rank] = self.fn(*self.args, **self.kwargs)
-            return "finished: its function returned"
+            outcome = "finished: its function returned"
         except WorldAborted as exc:
             self._let_go(exc)
-            return "stopped: the world failed"
         except BaseException as exc:
+            if self.tracer is not None:  # (a session's world is traced call by call)
+                self.tracer.error(rank, exc)
             self._rank_failed(rank, exc)
             self._let_go(exc)
-            return f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
         finally:
             self._destroy_process_groups()
+            if tracer is not None:
+                tracer.rank_function(rank, _name_of(self.fn), start, outcome)
+        return outcome
 
     def _init_process_group(self, context: RankContext) -> None:
         assert self.store is not None  # made at the world's start

@@ -22,6 +22,9 @@ The plugin imports torch lazily: collecting a project that never uses it costs n
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import time
 from collections import Counter
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -62,6 +65,9 @@ class _State:
 
 _STATE = pytest.StashKey[_State]()
 _SNAPSHOT = pytest.StashKey[str]()  # what a test's ledger snapshot check did: created, matched, updated
+_WASTED = pytest.StashKey[
+    list[tuple[str, str, str, int]]
+]()  # a test's wasted calls: (api, site, reason, times)
 _OWNS_SUITE_OPTIONS = pytest.StashKey[bool]()
 
 # PhysicsNeMo's suite options: a conftest may define them itself (theirs does).
@@ -129,6 +135,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("rank0", "all"),
         default="rank0",
         help="under --multigpu-static, which ranks print reports (default rank0)",
+    )
+    group.addoption(
+        "--mesh-redundant",
+        choices=("off", "report", "error"),
+        default="report",
+        help="wasted collectives (calls that told no rank anything new, found on the sim backend): "
+        "report lists them at the end of the session (the default), error fails their tests "
+        "(@pytest.mark.allow_redundant allows known ones), off does not look",
+    )
+    group.addoption(
+        "--mesh-trace",
+        metavar="DIR",
+        default=None,
+        help="write each test's simulated worlds as timelines (Chrome trace-event JSON for Perfetto "
+        "or chrome://tracing) to DIR/<test id>.json, created if missing; sim backend only",
     )
     group.addoption(
         "--mesh-snapshot-update",
@@ -205,6 +226,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "multigpu_static: a distributed test (PhysicsNeMo's marker); simulated on --world-size ranks",
     )
+    config.addinivalue_line(
+        "markers",
+        "allow_redundant(*ops, reason=None): wasted collectives this test issues on purpose "
+        "(all of them, or only these ops, e.g. 'all_gather'); not reported, and not failures "
+        "under --mesh-redundant=error",
+    )
+    _configure_findings(config)
+    _configure_trace(config)
     state = _State(
         config.getoption("mesh_backend"),
         config.getoption("world_size"),
@@ -223,6 +252,53 @@ def pytest_configure(config: pytest.Config) -> None:
     state.suite = "static" if static else "dynamic" if dynamic else None
     if static:
         _configure_static(config, state)
+
+
+_REDUNDANT_ENV = pytest.StashKey[tuple[bool, str | None]]()  # (set by us, the value before)
+_TRACE_DIR = pytest.StashKey[Path]()
+_TRACE_SINCE = pytest.StashKey[float]()
+
+
+def _configure_trace(config: pytest.Config) -> None:
+    """--mesh-trace=DIR: check the backend and make the folder."""
+    folder = config.getoption("mesh_trace", None)
+    if folder is None:
+        return
+    from meshsim._modes import static_environment
+
+    backend = config.getoption("mesh_backend")
+    torchrun = bool(config.getoption("multigpu_static", default=False)) and static_environment() is not None
+    if backend != "sim" or torchrun:
+        where = "under torchrun" if torchrun else f"with --mesh-backend={backend}"
+        raise pytest.UsageError(
+            f"--mesh-trace draws simulated worlds, whose ranks meshsim sees between calls; {where} "
+            "there is nothing to draw (use --mesh-backend=sim)"
+        )
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise pytest.UsageError(f"--mesh-trace={folder}: cannot make the folder: {exc}") from None
+    config.stash[_TRACE_DIR] = path.resolve()
+    config.stash[_TRACE_SINCE] = time.time()
+
+
+def _configure_findings(config: pytest.Config) -> None:
+    """--mesh-redundant=off: worlds of this process (and its children) do not look for waste."""
+    if config.getoption("mesh_redundant", "report") != "off":
+        return
+    config.stash[_REDUNDANT_ENV] = (True, os.environ.get("MESHSIM_REDUNDANT"))
+    os.environ["MESHSIM_REDUNDANT"] = "0"
+
+
+def _unconfigure_findings(config: pytest.Config) -> None:
+    ours, before = config.stash.get(_REDUNDANT_ENV, (False, None))
+    if not ours:
+        return
+    if before is None:
+        os.environ.pop("MESHSIM_REDUNDANT", None)
+    else:
+        os.environ["MESHSIM_REDUNDANT"] = before
 
 
 def _configure_static(config: pytest.Config, state: _State) -> None:
@@ -282,6 +358,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
+    _unconfigure_findings(config)
     state = config.stash.get(_STATE, None)
     if state is not None and state.job is not None:
         job, state.job = state.job, None
@@ -561,6 +638,72 @@ def _decided(error: BaseException) -> BaseException:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """Collect the wasted collectives the test's worlds find; under --mesh-redundant=error, fail on them."""
+    folder = item.config.stash.get(_TRACE_DIR, None)
+    if folder is None:
+        return (yield from _collect_findings(item))
+    from meshsim._trace import per_test
+
+    with per_test(folder, item.nodeid):
+        return (yield from _collect_findings(item))
+
+
+def _collect_findings(item: pytest.Item) -> Generator[None, None, None]:
+    mode = item.config.getoption("mesh_redundant", "report")
+    if mode == "off":
+        return (yield)
+    from meshsim._findings import collecting
+
+    with collecting() as found:
+        try:
+            result = yield
+        finally:
+            kept = _not_allowed(item, found)
+            if kept:
+                item.stash[_WASTED] = kept
+    if kept and mode == "error":
+        raise _RedundantCollectives(_wasted_text(kept, item.nodeid))
+    return result
+
+
+class _RedundantCollectives(AssertionError):
+    """The test issued collectives that told no rank anything new (``--mesh-redundant=error``)."""
+
+
+def _not_allowed(item: pytest.Item, found: list[Any]) -> list[tuple[str, str, str, int]]:
+    """The findings the test's allow_redundant markers do not allow, counted per (api, site, reason)."""
+    allowed: set[str] = set()
+    everything = False
+    for marker in item.iter_markers("allow_redundant"):
+        if not marker.args:
+            everything = True
+        allowed.update(str(op) for op in marker.args)
+    if everything:
+        return []
+    counts: Counter[tuple[str, str, str]] = Counter(
+        (f.api, f.site, f.reason) for f in found if f.op not in allowed and f.api not in allowed
+    )
+    return [(api, site, reason, times) for (api, site, reason), times in counts.items()]
+
+
+def _wasted_text(wasted: list[tuple[str, str, str, int]], nodeid: str) -> str:
+    lines = [f"{nodeid} issued {_calls(sum(t for *_, t in wasted))} that told no rank anything new:"]
+    for api, site, reason, times in wasted:
+        again = f" ({times} times)" if times > 1 else ""
+        lines.append(f"  {api} at {site}{again}: {reason}")
+    lines.append(
+        "Remove them, or mark the test @pytest.mark.allow_redundant(...) if they are meant; "
+        "--mesh-redundant=report lists them without failing."
+    )
+    return "\n".join(lines)
+
+
+def _calls(n: int) -> str:
+    return f"{n} collective" if n == 1 else f"{n} collectives"
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
@@ -568,6 +711,15 @@ def pytest_runtest_makereport(
     snapshot = item.stash.get(_SNAPSHOT, None)
     if snapshot is not None and call.when == "call":
         report.meshsim_snapshot = snapshot  # type: ignore[attr-defined]  # travels to xdist's controller
+    wasted = item.stash.get(_WASTED, None)
+    if wasted is not None and call.when == "call":
+        report.meshsim_redundant = [list(w) for w in wasted]  # type: ignore[attr-defined]  # as above
+    if (
+        call.excinfo is not None
+        and call.when == "call"
+        and isinstance(call.excinfo.value, _RedundantCollectives)
+    ):
+        report.longrepr = str(call.excinfo.value)
     if call.excinfo is not None and call.when == "call":
         text = _mesh_failure(call.excinfo.value)
         if text is not None:
@@ -671,7 +823,13 @@ def ledger_snapshot(request: pytest.FixtureRequest) -> Any:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line on what ledger snapshot checks did, when a test used ``ledger_snapshot``."""
+    """The wasted collectives tests issued; one line each on what ledger snapshot checks and traces did."""
+    _summarize_wasted(terminalreporter)
+    folder = config.stash.get(_TRACE_DIR, None)
+    if folder is not None:  # xdist workers write too: count the files, not this process's worlds
+        since = config.stash[_TRACE_SINCE]
+        written = [p for p in folder.glob("*.json") if p.stat().st_mtime >= since]
+        terminalreporter.write_line(f"meshsim: traces: {len(written)} written to {folder}")
     done = Counter(
         outcome
         for reports in terminalreporter.stats.values()
@@ -682,6 +840,45 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         words = {"created": "written", "updated": "rewritten", "matched": "unchanged"}
         parts = [f"{done[kind]} {word}" for kind, word in words.items() if done[kind]]
         terminalreporter.write_line(f"meshsim: ledger snapshots: {', '.join(parts)}")
+
+
+def _summarize_wasted(terminalreporter: Any) -> None:
+    """A section listing the wasted collectives, one entry per call site and rule (sizes and call
+    numbers aside), with the tests that issued them (xdist workers' reports included). ``-v`` names
+    every test, not the first few."""
+    groups: dict[tuple[str, str, str], tuple[Counter[str], Counter[str]]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for api, site, reason, times in getattr(report, "meshsim_redundant", None) or ():
+                rule = re.sub(r"\d+", "N", reason)
+                reasons, tests = groups.setdefault((api, site, rule), (Counter(), Counter()))
+                reasons[reason] += times
+                tests[report.nodeid] += times
+    if not groups:
+        return
+    shown = None if terminalreporter.config.getoption("verbose", 0) > 0 else 3
+    total = sum(sum(tests.values()) for _, tests in groups.values())
+    everywhere = {nodeid for _, tests in groups.values() for nodeid in tests}
+    terminalreporter.section("meshsim: redundant collectives", sep="=")
+    for (api, site, _), (reasons, tests) in sorted(groups.items(), key=lambda kv: -sum(kv[1][1].values())):
+        reason, _count = reasons.most_common(1)[0]
+        variants = f" (and {len(reasons) - 1} more like it)" if len(reasons) > 1 else ""
+        terminalreporter.write_line(f"{api} at {site}: {reason}{variants}")
+        terminalreporter.write_line(f"  {_calls(sum(tests.values()))} in {_tests(len(tests))}:")
+        names = sorted(tests)
+        for nodeid in names[:shown]:
+            again = f" ({tests[nodeid]} times)" if tests[nodeid] > 1 else ""
+            terminalreporter.write_line(f"    {nodeid}{again}")
+        if shown is not None and len(names) > shown:
+            terminalreporter.write_line(f"    ... and {len(names) - shown} more (-v lists them)")
+    terminalreporter.write_line(
+        f"{_calls(total)} in {_tests(len(everywhere))} told no rank anything new "
+        "(--mesh-redundant=error fails them; @pytest.mark.allow_redundant allows known ones)"
+    )
+
+
+def _tests(n: int) -> str:
+    return f"{n} test" if n == 1 else f"{n} tests"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
