@@ -49,9 +49,10 @@ def _ops(iters: int) -> dict[str, Callable[[], float]]:
         return _loop(lambda: dist.all_gather_into_tensor(out, x), iters)
 
     def all_reduce() -> float:
-        x, start = mine(), mine()
-        # each call starts again from the rank's own values (the sum is the same on every rank)
-        return _loop(lambda: dist.all_reduce(x.copy_(start)), iters)
+        # each call reduces a tensor of its own, fresh from the rank (as a step's gradients are):
+        # a reduced tensor holds the same sum on every rank, and reducing it again is wasted
+        fresh = iter([mine() for _ in range(iters + 1)])
+        return _loop(lambda: dist.all_reduce(next(fresh)), iters)
 
     def all_to_all() -> float:
         ws = dist.get_world_size()
@@ -60,8 +61,8 @@ def _ops(iters: int) -> dict[str, Callable[[], float]]:
         return _loop(lambda: dist.all_to_all_single(out, x), iters)
 
     def all_reduce_same() -> float:
-        x, start = torch.ones(ELEMS), torch.ones(ELEMS)
-        return _loop(lambda: dist.all_reduce(x.copy_(start)), iters)
+        fresh = iter([torch.ones(ELEMS) for _ in range(iters + 1)])
+        return _loop(lambda: dist.all_reduce(next(fresh)), iters)
 
     return {
         "all_gather_into_tensor": all_gather,

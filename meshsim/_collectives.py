@@ -228,13 +228,17 @@ def _numel_shapes(table: Sequence[Sequence[Any]]) -> list[list[tuple[int, ...] |
 def _same_everywhere(per_rank: Sequence[Sequence[Tensor]]) -> bool:
     """Whether every rank's tensors hold the bytes rank 0's hold (stops at the first difference)."""
     count = len(per_rank[0])
-    if count == 1:  # the common case, without the loop below
-        return all(len(tensors) == 1 for tensors in per_rank) and mv.all_same_bytes(
-            [tensors[0] for tensors in per_rank]
-        )
-    if any(len(tensors) != count for tensors in per_rank):
+    firsts = []
+    for tensors in per_rank:
+        if len(tensors) != count:
+            return False
+        if count:
+            firsts.append(tensors[0])
+    if count == 0:
+        return True
+    if not mv.all_same_bytes(firsts):
         return False
-    return all(mv.all_same_bytes([tensors[j] for tensors in per_rank]) for j in range(count))
+    return all(mv.all_same_bytes([tensors[j] for tensors in per_rank]) for j in range(1, count))
 
 
 def _plural(n: int, what: str) -> str:

@@ -107,7 +107,9 @@ class Repeats:
         ``key``: what must be equal for two calls to be the same (kind, api, signature);
         ``per_rank``: each rank's contributed tensors, before the call moves any data.
         """
-        if not per_rank[0] or any(mv.nbytes_of(tensors) > REPEAT_LIMIT for tensors in per_rank):
+        if not per_rank[0] or mv.nbytes_of(per_rank[0]) > REPEAT_LIMIT:  # rank 0's first: one sum, mostly
+            return None
+        if any(mv.nbytes_of(tensors) > REPEAT_LIMIT for tensors in per_rank):
             return None
         earlier = self._seen.get(key)
         if earlier is not None:

@@ -158,10 +158,10 @@ def nbytes_of(tensors: Sequence[Tensor]) -> int:
 def same_bytes(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` hold the same bytes: same dtype, shape and device, bitwise equal.
 
-    Floating point and complex tensors are compared as integers of their width, so that
-    ``-0.0`` and ``0.0`` differ and a NaN equals itself bit for bit. Long tensors compare
-    a few leading elements before all of them (different data, the common case, answers
-    at once).
+    ``-0.0`` and ``0.0`` differ. Tensors holding a NaN are never the same (values are
+    compared first, and a NaN differs from itself): wasted-collective findings may miss
+    such a call, never flag one wrongly. Long tensors compare a few leading elements
+    before all of them.
     """
     return all_same_bytes((a, b))
 
@@ -169,22 +169,34 @@ def same_bytes(a: Tensor, b: Tensor) -> bool:
 def all_same_bytes(tensors: Sequence[Tensor]) -> bool:
     """Whether every tensor in ``tensors`` holds the bytes the first holds (as :func:`same_bytes`).
 
-    The first is viewed as integers once; the comparison stops at the first difference.
+    Values are compared first: different data, the common case, answers with one comparison
+    per tensor until the first difference; only equal floating point values are then
+    compared bit for bit.
     """
     first = tensors[0]
-    dtype, shape, device = first.dtype, first.shape, first.device
-    as_int = _INT_OF.get(dtype)
-    bits = _as_bits(first) if as_int is None else first.view(as_int)
-    head = bits.reshape(-1)[:64] if bits.numel() > _PREFILTER else None
+    dtype = first.dtype
+    head = first.reshape(-1)[:64] if first.numel() > _PREFILTER else None
     for other in tensors[1:]:
-        if other.dtype != dtype or other.shape != shape or other.device != device:
+        # torch.equal answers False for other shapes, but True across dtypes
+        if other.dtype != dtype:
             return False
-        other_bits = _as_bits(other) if as_int is None else other.view(as_int)
-        if head is not None and not torch.equal(head, other_bits.reshape(-1)[:64]):
+        try:
+            if head is not None and not torch.equal(head, other.reshape(-1)[:64]):
+                return False
+            if not torch.equal(first, other):
+                return False
+        except RuntimeError:  # tensors on different devices
             return False
-        if not torch.equal(bits, other_bits):
-            return False
-    return True
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return True  # integers and bools: equal values are equal bytes
+    return _same_bits(tensors)  # equal values; zeros may differ in sign
+
+
+def _same_bits(tensors: Sequence[Tensor]) -> bool:
+    """Bitwise equality of floating point tensors of equal values (-0.0 is not 0.0)."""
+    as_int = _INT_OF.get(tensors[0].dtype)
+    views = [_as_bits(t) if as_int is None else t.view(as_int) for t in tensors]
+    return all(torch.equal(views[0], v) for v in views[1:])
 
 
 # the floating point dtypes' integers of the same width; complex goes through _as_bits

@@ -96,12 +96,17 @@ def test_equal_values_with_different_bits_are_not_the_same_bytes() -> None:
     def body() -> None:
         zero = torch.tensor([0.0]) if _rank() % 2 == 0 else torch.tensor([-0.0])  # equal, not identical
         dist.all_gather_into_tensor(torch.empty(WS), zero)
-        nan = torch.tensor([float("nan")])  # not equal to itself, but the same bytes everywhere
+        one = torch.tensor([1.0])
+        dist.all_gather_into_tensor(torch.empty(WS), one)
+        # the same bytes everywhere, but a NaN is not equal to itself: values are compared
+        # first, so a payload holding one is never flagged (missed, never flagged wrongly)
+        nan = torch.tensor([float("nan")])
         dist.all_gather_into_tensor(torch.empty(WS), nan)
 
     reasons = _only(_reasons(body))
     assert reasons[0] is None
     assert reasons[1] is not None and reasons[1].startswith("every rank contributed the same 4 bytes")
+    assert reasons[2] is None
 
 
 # -- reductions: identical inputs are computable locally --------------------------------------

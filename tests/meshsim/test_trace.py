@@ -52,10 +52,14 @@ def test_one_track_per_rank_with_a_slice_per_collective_from_arrival_to_release(
     per_rank = {r: sorted(_slices(events, "collective"), key=lambda e: e["ts"]) for r in range(WS)}
     for rank in range(WS):
         mine = [e for e in per_rank[rank] if e["tid"] == rank]
-        expected = ["all_reduce", "broadcast", "all_gather_into_tensor"] if rank < 2 else [
-            "all_reduce",
-            "all_gather_into_tensor",
-        ]
+        expected = (
+            ["all_reduce", "broadcast", "all_gather_into_tensor"]
+            if rank < 2
+            else [
+                "all_reduce",
+                "all_gather_into_tensor",
+            ]
+        )
         assert [e["name"] for e in mine] == expected
         ends = [e["ts"] + e["dur"] for e in mine]
         assert all(e["dur"] >= 0 for e in mine)
@@ -193,4 +197,8 @@ def test_findings_appear_in_a_trace_without_a_ledger(tmp_path: Path) -> None:
     path = tmp_path / "world.json"
     meshsim.run(lambda: dist.broadcast(torch.ones(3), 0), 2, trace=path)
     (first, second) = _slices(_load(path), "collective")
-    assert first["args"]["redundant"] == second["args"]["redundant"] == "every rank already held the root's 12 bytes"
+    assert (
+        first["args"]["redundant"]
+        == second["args"]["redundant"]
+        == "every rank already held the root's 12 bytes"
+    )

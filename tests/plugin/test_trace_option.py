@@ -81,7 +81,10 @@ def test_b():
     result = pytester.runpytest_subprocess("--multigpu-static", "--world-size=2", "--mesh-trace=traces")
     result.assert_outcomes(passed=1, failed=1)
     folder = pytester.path / "traces"
-    assert sorted(p.name for p in folder.iterdir()) == ["test_static.py.test_a.json", "test_static.py.test_b.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "test_static.py.test_a.json",
+        "test_static.py.test_b.json",
+    ]
     a = json.loads((folder / "test_static.py.test_a.json").read_text())["traceEvents"]
     assert sorted((e["name"], e["tid"]) for e in a if e["ph"] == "X") == [
         ("all_reduce", 0),
