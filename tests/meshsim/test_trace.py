@@ -18,10 +18,23 @@ WS = 4
 pytestmark = pytest.mark.allow_redundant()
 
 
+REQUIRED = {  # the trace-event format's keys, per phase
+    "M": {"name", "ph", "pid", "args"},
+    "X": {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"},
+    "s": {"name", "cat", "ph", "id", "ts", "pid", "tid"},
+    "f": {"name", "cat", "ph", "id", "ts", "pid", "tid", "bp"},
+    "i": {"name", "cat", "ph", "ts", "pid", "s", "args"},
+}
+
+
 def _load(path: Path) -> list[dict[str, Any]]:
+    """The file's events, checked against the format: keys per phase, numbers where numbers go."""
     document = json.loads(path.read_text())
     assert document["displayTimeUnit"] == "ms"
     events: list[dict[str, Any]] = document["traceEvents"]
+    for event in events:
+        assert REQUIRED[event["ph"]] <= event.keys(), event
+        assert all(isinstance(event[k], (int, float)) and event[k] >= 0 for k in ("ts", "dur") if k in event)
     return events
 
 
