@@ -8,7 +8,10 @@ threads), and a process that never runs a world is never touched.
 Private torch names patched here, checked in torch 2.11, 2.12, 2.13, 2.14 and 2.15:
 ``DeviceMesh._thread_id`` and ``_hash``, ``c10d._get_default_timeout``,
 ``torch.distributed.tensor._collective_utils.local_tensor_mode``,
-``torch.distributed.tensor._redistribute``'s plan caches, the tables of
+``torch.distributed.tensor._redistribute``'s plan caches,
+``_collective_utils.MeshTopoInfo.build_from_mesh`` and the sharding propagator's caches
+(``propagate_op_sharding`` and ``torch._C._clear_DTensor_sharding_propagator_cache``, per
+thread, and ``_propagate_tensor_meta_cached``), the tables of
 ``dist.Backend`` (``backend_capability``, ``backend_type_map``,
 ``default_device_backend_map``, ``_plugins``, ``backend_list``) and
 ``torch._C._set_multithreading_enabled``.
@@ -98,16 +101,73 @@ _PATCHES = _Patches()
 
 
 def _clear_dtensor_caches() -> None:
-    """Forget DTensor's process-wide plan caches, which hold meshes of ended worlds."""
+    """Forget the process-wide caches that hold meshes of ended worlds.
+
+    A mesh holds its process groups (``DeviceMesh._pg_registry``), and a gloo group's
+    worker threads and sockets live as long as the group object: a cache entry that
+    keeps an ended world's mesh keeps them too (six threads a 2-rank world; thousands
+    over a gloo test session). Cleared: DTensor's redistribute plans, its cost model's
+    mesh topology (``MeshTopoInfo.build_from_mesh``, filled by every op whose sharding
+    strategy is chosen by cost), the sharding propagator's caches (the per-thread one
+    of the calling thread only: see :func:`_clear_thread_caches`), and shardtensor's
+    operator plans, whose specs hold meshes.
+    """
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    if redistribute is None:
-        return
-    cached = getattr(redistribute, "_gen_transform_infos", None)
-    if cached is not None and hasattr(cached, "cache_clear"):
-        cached.cache_clear()
-    clear_planner = getattr(redistribute, "clear_redistribute_planner_cache", None)
-    if clear_planner is not None:
-        clear_planner()
+    if redistribute is not None:
+        _cache_clear(getattr(redistribute, "_gen_transform_infos", None))
+        planners = getattr(redistribute, "_planner_cache", None)
+        if isinstance(planners, dict):
+            # A planner refers to itself (its cost_function closure): dropped, it would
+            # keep its mesh until a collection. Nothing else uses one once its world ended.
+            for planner in list(planners.values()):
+                vars(planner).clear()
+        clear_planner = getattr(redistribute, "clear_redistribute_planner_cache", None)
+        if clear_planner is not None:
+            clear_planner()
+    collective_utils = sys.modules.get("torch.distributed.tensor._collective_utils")
+    if collective_utils is not None:
+        topology = getattr(collective_utils, "MeshTopoInfo", None)
+        _cache_clear(getattr(topology, "build_from_mesh", None))
+    propagator = _sharding_propagator()
+    if propagator is not None:
+        _cache_clear(getattr(propagator, "_propagate_tensor_meta_cached", None))
+    _clear_thread_caches()
+    plans = sys.modules.get("shardtensor._dispatch")
+    clear_plans = getattr(plans, "plan_cache_clear", None)
+    if clear_plans is not None:
+        clear_plans()
+
+
+def _clear_thread_caches() -> None:
+    """Forget the calling thread's own caches that hold meshes (DTensor's sharding propagation).
+
+    ``ShardingPropagator.propagate_op_sharding`` and the C++ dispatch fast path each
+    keep one unbounded cache per thread, keyed by op schemas that hold meshes; rank
+    threads are kept for later worlds, so each clears its own as its rank ends.
+    """
+    propagator = _sharding_propagator()
+    if propagator is not None:
+        _cache_clear(getattr(propagator, "propagate_op_sharding", None))
+        _clear_fast_path_cache()
+
+
+# torch 2.11-2.15; it answers for the calling thread
+_clear_fast_path_cache: Callable[[], None] = getattr(
+    torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None
+)
+
+
+def _sharding_propagator() -> Any:
+    """DTensor's sharding propagator, or None where DTensor is not loaded."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    dispatcher = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
+    return getattr(dispatcher, "sharding_propagator", None)
+
+
+def _cache_clear(cached: Any) -> None:
+    clear = getattr(cached, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def _backward_in_calling_thread() -> Undo:
@@ -378,5 +438,6 @@ def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | No
 
 def leave_rank_thread(entered: Any) -> None:
     """Undo :func:`enter_rank_thread`, given what it returned, in the calling thread."""
+    _clear_thread_caches()  # the thread may serve a later world: its caches hold this one's meshes
     _rng.leave_rank()
     _thread_worlds.leave_rank_thread(entered)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -124,3 +125,58 @@ def test_a_failed_gloo_world_closes_its_sockets_when_it_ends() -> None:
     with pytest.raises(meshsim.RankError, match="five fails"):
         meshsim.run(_raises_with_async_work_in_flight, 6, backend="gloo", timeout=10)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _dtensor_and_shardtensor_ops() -> None:
+    """Ops that fill torch's and shardtensor's process-wide caches with this world's meshes."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from shardtensor import ShardTensor
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2))  # its own sub-groups
+    full = torch.arange(16.0).reshape(4, 4)
+    dt = distribute_tensor(full, mesh, [Shard(0), Replicate()])
+    ((dt + dt) @ dt).redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()  # cost model, planner
+    local = full.chunk(2)[mesh.get_coordinate()[0]]
+    st = ShardTensor.from_local(local, mesh, [Shard(0), Replicate()], "chunk", full.shape)
+    leaf = st.detach().requires_grad_()
+    (leaf.exp() * 2 + leaf).sum().full_tensor().backward()  # shardtensor's plans, autograd
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _op_schemas_leak_their_strategies() -> bool:
+    """torch 2.11's ``OpSchema.__post_init__`` (C++) keeps a reference to each OpStrategy argument.
+
+    Every sharding propagation wraps its specs in OpStrategies, so their meshes, and
+    the meshes' groups, live as long as the process; nothing meshsim can drop.
+    """
+    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
+
+    strategy = OpStrategy([])
+    before = sys.getrefcount(strategy)
+    OpSchema(torch.ops.aten.mm.default, (strategy,), {})
+    return sys.getrefcount(strategy) > before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_gloo_worlds_that_used_dtensor_and_shardtensor_leave_no_threads_behind() -> None:
+    """Each gloo group owns worker threads until its last reference goes, and a mesh holds
+    its groups: process-wide caches keyed by meshes (DTensor's cost model, its sharding
+    propagation, per rank thread too, its redistribute planners, shardtensor's plans) kept
+    every ended world's groups, ~10,000 threads over a gloo run of tests/shardtensor."""
+    if _op_schemas_leak_their_strategies():
+        pytest.skip("this torch's OpSchema leaks its OpStrategy arguments, and with them their meshes")
+    meshsim.run(_dtensor_and_shardtensor_ops, 4, backend="gloo")  # warm-up: imports, gloo's device
+    gc.collect()
+    before = _os_threads()  # the warm-up's rank threads wait, idle, for the next worlds
+    gc.disable()  # groups must go when their world ends, not at a later collection
+    try:
+        for _ in range(3):
+            meshsim.run(_dtensor_and_shardtensor_ops, 4, backend="gloo")
+        after = _os_threads()
+    finally:
+        gc.enable()
+    assert after <= before + 2, f"{after - before} more threads after 3 gloo worlds"
