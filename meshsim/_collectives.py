@@ -91,7 +91,9 @@ class Description:
     Class attributes:
         op: the normalized operation the ledger shows (``all_reduce``, ``all_gather``, ...).
         compat: the cross-rank check for what may differ between ranks, or None.
-        wasted: the check for a call that tells no rank anything new, or None.
+        wasted: the check for a call that tells no rank anything new, or None. It may flag
+            a call only when every rank's ``contributed()`` tensors hold the same bytes (the
+            rendezvous skips it when two ranks' differ).
     """
 
     op: ClassVar[str]

@@ -28,6 +28,7 @@ __all__ = [
     "reduce_scatter_flat",
     "all_same_bytes",
     "same_bytes",
+    "surely_differ",
     "split_sizes",
 ]
 
@@ -164,6 +165,20 @@ def same_bytes(a: Tensor, b: Tensor) -> bool:
     before all of them.
     """
     return all_same_bytes((a, b))
+
+
+def surely_differ(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
+    """Whether two ranks' tensors surely hold different bytes, found with one comparison.
+
+    False means "maybe the same" (several tensors, or equal values whose bits may differ):
+    :func:`all_same_bytes` decides.
+    """
+    if len(a) != 1 or len(b) != 1:
+        return len(a) != len(b)
+    x, y = a[0], b[0]
+    if x.dtype != y.dtype or x.device != y.device:
+        return True
+    return not torch.equal(x, y)
 
 
 def all_same_bytes(tensors: Sequence[Tensor]) -> bool:

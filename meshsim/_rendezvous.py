@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from meshsim import _findings
 from meshsim._collectives import Description
 from meshsim._errors import CollectiveMismatchError, WorldAborted
-from meshsim._movement import Problem, culprits
+from meshsim._movement import Problem, culprits, surely_differ
 from meshsim._p2p import Mailbox
 from meshsim._scheduler import Scheduler, Waitable
 from meshsim._sites import site_of
@@ -157,11 +157,14 @@ class Slot(Waitable):
         repeats: _findings.Repeats,
     ) -> None:
         first = calls[0]
-        reason = kind.wasted(payloads) if kind.wasted is not None else None
+        per_rank = [p.contributed() for p in payloads]
+        rule = kind.wasted
+        # every rule needs the same bytes from every rank: two ranks that differ rule them all out
+        reason = rule(payloads) if rule is not None and not surely_differ(per_rank[0], per_rank[1]) else None
         if reason is None:
             # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
             key = (kind, first.payload.api, first.signature)
-            reason = repeats.check(key, self.seq, [p.contributed() for p in payloads])
+            reason = repeats.check(key, self.seq, per_rank)
             if reason is None:
                 return
         self.wasted = reason
