@@ -16,6 +16,7 @@ Generators take a :class:`Source` of choices: :class:`RandomSource` wraps
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import random
@@ -24,6 +25,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
+
+import meshsim
 
 Tensor = torch.Tensor
 
@@ -416,10 +420,26 @@ def _draw_new_group(src: Source, ws: int) -> tuple[int, ...]:
 _GLOO_INEXACT_COMPLEX_AVG = ("reduce_scatter", "reduce_scatter_tensor", "reduce")
 
 
+@functools.cache
+def _gloo_lacks() -> tuple[str, ...]:
+    """Collectives this torch's ProcessGroupGloo refuses (torch 2.11: the list-form all_to_all)."""
+
+    def all_to_all() -> None:
+        dist.all_to_all([torch.empty(1) for _ in range(2)], [torch.ones(1) for _ in range(2)])
+
+    try:
+        meshsim.run(all_to_all, 2, backend="gloo", timeout=30)
+    except meshsim.RankError as error:
+        if "does not support alltoall" in str(error.__cause__):
+            return ("all_to_all",)
+        raise
+    return ()
+
+
 def _draw_step(src: Source, program: Program, gloo: bool) -> Step:
     ref = choose(src, program.refs())
     n = len(program.subgroups(ref)[0])
-    kinds = [k for k in KINDS if not (k == "p2p" and n < 2)]
+    kinds = [k for k in KINDS if not (k == "p2p" and n < 2) and not (gloo and k in _gloo_lacks())]
     kind = choose(src, kinds)
     dtype = choose(src, dtypes_for(kind, gloo=gloo))
     op = choose(src, ops_for(dtype, gloo=gloo)) if kind in REDUCING else None
