@@ -2,7 +2,8 @@
 
 A flag a rank sets is that rank's process's under torchrun, and gone with it. The
 flags meshsim knows are per rank (:mod:`meshsim._integrations`); any other
-simple module global of ``torch.distributed`` (a bool, number, string or None)
+simple module global of ``torch.distributed`` (a bool, number, string or None),
+memos of facts about the installation aside (``_MEMOS``),
 that differs after a world from what it was before is reported with a
 :class:`meshsim.StateLeakWarning`, naming it and both values, so that a test
 that passes or fails by test order shows why.
@@ -26,6 +27,9 @@ __all__ = ["Watch"]
 _PREFIX = "torch.distributed"
 _SIMPLE = (bool, int, float, str, type(None))
 _ABSENT: Any = object()
+# Memos torch fills on first use with a fact about the installation, the same in every
+# process: whichever world fills one leaves the value a rank's own process would compute.
+_MEMOS = frozenset({("torch.distributed", "_spmd_types_available")})  # torch 2.14+
 
 
 class _Names:
@@ -49,7 +53,7 @@ class _Names:
                 (name, namespace, key)
                 for key, value in namespace.items()
                 # type(), not isinstance: torch.distributed.reduce_op warns when asked its class
-                if not key.startswith("__") and type(value) in _SIMPLE
+                if not key.startswith("__") and type(value) in _SIMPLE and (name, key) not in _MEMOS
             ]
 
 

@@ -316,6 +316,20 @@ def test_a_world_that_leaves_a_torch_distributed_global_changed_is_reported() ->
         local_tensor._PROCESS_MODE = before
 
 
+def _ask_whether_spmd_types_is_installed() -> None:
+    dist._is_spmd_types_available()  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not hasattr(dist, "_spmd_types_available"), reason="torch 2.14+ memoizes it")
+def test_a_memo_torch_fills_on_first_use_is_not_a_leak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.14+ memoizes whether spmd_types is installed in torch.distributed on first
+    use (FSDP, and so Dynamo, ask at import): the world that asked first was reported."""
+    monkeypatch.setattr(dist, "_spmd_types_available", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", meshsim.StateLeakWarning)
+        meshsim.run(_ask_whether_spmd_types_is_installed, 2)
+
+
 def test_an_ordinary_dtensor_world_leaves_nothing_changed() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", meshsim.StateLeakWarning)
