@@ -139,7 +139,12 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def test_process_state_is_restored(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSIM_TEST_KEPT", "kept")
     monkeypatch.setenv("MESHSIM_TEST_CHANGED", "unchanged")
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  (imported before the snapshot)
+    # Imported before the snapshot. torch._inductor: meddles' first use_deterministic_algorithms
+    # imports it, and its import chain (Dynamo, FSDP, fake_pg) registers torch's "fake"
+    # backend, a lasting effect of the import and not of the world, which failed the check
+    # when this test ran first in its process.
+    import torch._inductor
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
     from torch.distributed.tensor import _collective_utils  # noqa: F401
 
     meshsim.end_idle_threads()  # idle rank threads keep their doorbells
