@@ -3,12 +3,14 @@ keys the fault model compares (what must match between ranks)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from programs import WORLD, Fault, Program, Step, a2a_shapes, obj, pickled_size, plan, root_objects
 from runs import SITES
 
@@ -337,6 +339,12 @@ def _calls_p2p(index: int, step: Step, members: tuple[int, ...], rank: int) -> l
 
 # The object collectives first exchange sizes, then size their payload buffers from the
 # sizes received: their second call always fits, whatever objects the ranks hold.
+# all_gather_object gathers into a list of tensors up to torch 2.14, into one tensor
+# (all_gather_single, recorded as all_gather_into_tensor) from 2.15.
+_GATHERS_INTO_ONE = "all_gather_single(" in inspect.getsource(dist.all_gather_object)
+_AG_OBJECT_API = "all_gather_into_tensor" if _GATHERS_INTO_ONE else "all_gather"
+
+
 def _calls_all_gather_object(index: int, step: Step, members: tuple[int, ...], rank: int) -> list[CallSpec]:
     n, site = len(members), SITES["ag_object"]
     biggest = max(pickled_size(obj(r, index)) for r in members)
@@ -346,7 +354,7 @@ def _calls_all_gather_object(index: int, step: Step, members: tuple[int, ...], r
             members,
             index,
             op="all_gather",
-            api="all_gather",
+            api=_AG_OBJECT_API,
             dtype=torch.int64,
             bytes_in=8,
             bytes_out=8 * n,
@@ -359,7 +367,7 @@ def _calls_all_gather_object(index: int, step: Step, members: tuple[int, ...], r
             members,
             index,
             op="all_gather",
-            api="all_gather",
+            api=_AG_OBJECT_API,
             dtype=torch.uint8,
             bytes_in=biggest,
             bytes_out=biggest * n,
