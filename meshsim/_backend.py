@@ -166,7 +166,16 @@ def reduce_op_of(opts: Any) -> tuple[str, Any]:
     if name is not None:
         return name, None
     name = getattr(op, "op", op).name
-    return name, (op.factor if name == "PREMUL_SUM" else None)
+    return name, (_premul_factor(op) if name == "PREMUL_SUM" else None)
+
+
+def _premul_factor(op: Any) -> Any:
+    """A PREMUL_SUM op's factor: ``op.factor`` in torch 2.12-2.15; torch 2.11's ReduceOp exposes
+    it only through its pickling state, ``(kind, factor)``."""
+    try:
+        return op.factor
+    except AttributeError:
+        return op.__getstate__()[1]
 
 
 @functools.cache
