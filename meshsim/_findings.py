@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from meshsim import _movement as mv
+from meshsim._collectives import nbytes
 
 __all__ = ["Finding", "Repeats", "collecting", "enabled_by_default", "report", "wanted"]
 
@@ -107,9 +108,7 @@ class Repeats:
         ``key``: what must be equal for two calls to be the same (kind, api, signature);
         ``per_rank``: each rank's contributed tensors, before the call moves any data.
         """
-        if not per_rank[0] or mv.nbytes_of(per_rank[0]) > REPEAT_LIMIT:  # rank 0's first: one sum, mostly
-            return None
-        if any(mv.nbytes_of(tensors) > REPEAT_LIMIT for tensors in per_rank):
+        if not per_rank[0] or any(nbytes(tensors) > REPEAT_LIMIT for tensors in per_rank):
             return None
         earlier = self._seen.get(key)
         if earlier is not None:

@@ -24,7 +24,6 @@ __all__ = [
     "all_to_all_single",
     "check_reduce_dtype",
     "reduce",
-    "nbytes_of",
     "reduce_scatter_flat",
     "all_same_bytes",
     "same_bytes",
@@ -149,11 +148,6 @@ def all_to_all(inputs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PREFILTER = 4096  # elements: above this, a few leading elements are compared first
-
-
-def nbytes_of(tensors: Sequence[Tensor]) -> int:
-    """The bytes ``tensors`` hold together."""
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def same_bytes(a: Tensor, b: Tensor) -> bool:

@@ -175,9 +175,7 @@ def test_a_mismatch_is_an_error_on_the_track_of_the_rank_that_found_it(tmp_path:
 
 
 def test_a_world_that_times_out_gets_the_error_on_the_process(tmp_path: Path) -> None:
-    stop = meshsim.run  # a rank stuck in its own code, while the other waits for it
-
-    def body() -> None:
+    def body() -> None:  # rank 1 stuck in its own code while rank 0 waits for it
         if dist.get_rank() == 1:
             import threading
 
@@ -187,7 +185,7 @@ def test_a_world_that_times_out_gets_the_error_on_the_process(tmp_path: Path) ->
 
     path = tmp_path / "timeout.json"
     with pytest.raises(meshsim.DeadlockError):
-        stop(body, 2, trace=path, timeout=0.2)
+        meshsim.run(body, 2, trace=path, timeout=0.2)
     errors = [e for e in _load(path) if e.get("cat") == "error"]
     assert [(e["s"], "tid" in e) for e in errors] == [("p", False)]
     assert errors[0]["args"]["error"].startswith("DeadlockError: ")
