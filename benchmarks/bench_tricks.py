@@ -119,12 +119,16 @@ def _plain_environ_snapshot() -> Iterator[None]:
 
 
 def _no_shared_runs() -> contextlib.AbstractContextManager[None]:
-    """Every run of per-rank module globals swapped at every hand-over, shared or not."""
+    """Every run of per-rank module globals swapped at every hand-over: each rank its own copies."""
+    find_shared = _perrank.WorldSlots._find_shared
 
-    def find_shared(self: _perrank.WorldSlots) -> None:
-        self._shared = [None] * len(self._plan.runs)
+    def unshared(self: _perrank.WorldSlots) -> None:
+        find_shared(self)
+        for i, run in enumerate(self._shared):
+            if run is not None:
+                self._unshare(i, None, ())
 
-    return _patched(_perrank.WorldSlots, "_find_shared", find_shared)
+    return _patched(_perrank.WorldSlots, "_find_shared", unshared)
 
 
 ROWS: list[tuple[str, Toggle, Toggle, Callable[[int], float], int]] = [

@@ -53,7 +53,7 @@ def _warnings(module: ModuleType) -> None:
     mutated = getattr(module, "_filters_mutated", None) or getattr(module, "_filters_mutated_lock_held", None)
     for name in ("filters", "onceregistry"):
         if hasattr(module, name):
-            declare(module, name, after_set=mutated)
+            declare(module, name, after_set=mutated, share="unchanged")
     for name in ("showwarning", "_showwarnmsg_impl", "defaultaction"):
         if hasattr(module, name):
             declare(module, name)
@@ -76,7 +76,7 @@ _MODULE_HOOKS = (
 def _module_hooks(module: ModuleType) -> None:
     for name in _MODULE_HOOKS:  # checked in torch 2.11-2.15
         if hasattr(module, name):
-            declare(module, name)
+            declare(module, name, share="empty")
 
 
 def _c10d_globals(module: ModuleType) -> None:

@@ -36,9 +36,12 @@ class _Slot:
     ``fresh`` builds a rank's starting value; without it a rank starts from
     ``duplicate(caller's value)``. ``after_set`` runs when a swap changed the value
     (what else must learn of it: ``warnings`` caches decisions per filter list).
+    ``share`` lets ranks share one copy of a container until one of them changes it
+    (see :class:`WorldSlots`): ``"empty"`` while it is empty (hook tables),
+    ``"unchanged"`` while it holds what it held when the world started (filter lists).
     """
 
-    __slots__ = ("after_set", "duplicate", "fresh", "label", "name", "owner", "pristine")
+    __slots__ = ("after_set", "duplicate", "fresh", "label", "name", "owner", "pristine", "share")
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class _Slot:
         fresh: Callable[[], Any] | None,
         duplicate: Callable[[Any], Any] | None = None,
         after_set: Callable[[], None] | None = None,
+        share: str | None = None,
     ) -> None:
         self.owner = owner
         self.name = name
@@ -54,6 +58,7 @@ class _Slot:
         self.label = _label(owner, name)
         self.duplicate = duplicate or copy.deepcopy
         self.after_set = after_set
+        self.share = share
         # What a rank starts from when the slot joins a world that is already running
         # (the caller's value is unknown then): the value at declaration, copied.
         self.pristine = None if fresh is not None else self.copy(self.get())
@@ -83,6 +88,13 @@ class _Slot:
         if self.fresh is not None:
             return self.fresh()
         return self.copy(caller)
+
+    def starts(self, caller: Any, world_size: int) -> list[Any]:
+        """Every rank's starting value: one copy for all when they may share it, else :meth:`start` each."""
+        if self.share is not None and caller is not _ABSENT and (self.share == "unchanged" or not caller):
+            shared = self.copy(caller)  # the world's own: the caller's object is never handed out
+            return [shared] * world_size
+        return [self.start(caller) for _ in range(world_size)]
 
     def joined_late(self) -> Any:
         """The starting value of a rank (or the caller) when the slot joins a running world."""
@@ -249,16 +261,19 @@ def declare(
     *,
     duplicate: Callable[[Any], Any] = copy_container,
     after_set: Callable[[], None] | None = None,
+    share: str | None = None,
 ) -> None:
     """Declare ``owner.name`` per rank for meshsim's own use (torch's and the stdlib's process state).
 
     As :func:`per_rank`, but each rank starts from ``duplicate(caller's value)``
     (:func:`copy_container` by default: hook tables hold functions bound to live
     objects, so a shallow copy), and nothing is declared twice. Not undone: it is
-    inert outside worlds.
+    inert outside worlds. ``share``: see :class:`_Slot`.
     """
+    if share not in (None, "empty", "unchanged"):
+        raise ValueError(f"share must be None, 'empty' or 'unchanged', got {share!r}")
     if not declared(owner, name):
-        _REGISTRY.add((_Slot(owner, name, None, duplicate, after_set),))
+        _REGISTRY.add((_Slot(owner, name, None, duplicate, after_set, share),))
 
 
 def declared(target: object, name: str | None) -> bool:
@@ -270,15 +285,23 @@ class WorldSlots:
     """The declared slots as one world sees them: the caller's values and each rank's.
 
     A rank's values are a plain list, in the order of :attr:`slots`; the world keeps
-    one per rank and passes it to :meth:`save` and :meth:`load` at hand-overs.
+    one per rank, and :meth:`save` and :meth:`load` swap them at hand-overs.
     Module globals come first, grouped by module, so that a hand-over saves a
     module's values with one ``itemgetter`` and loads them with one ``dict.update``:
     a Python-level loop over some twenty slots, four times per collective, cost more
     than the collective's own bookkeeping.
 
-    A module's run of globals whose ranks all start from the caller's very objects
-    (flags, names, objects declared to be shared) is *shared* until a rank rebinds
-    one: while it is, a hand-over only checks it on the way out, and loads nothing.
+    A module's run of globals that every rank holds as the very same objects is
+    *shared*: a hand-over loads nothing for it, and on the way out only compares it
+    with its baseline (what it held when it became shared). Ranks start sharing
+    what cannot change in place (flags, names, functions) and the containers
+    declared to be shared (``share=``, in copies of the world's own: hook tables
+    while empty, warnings filters). The first rank to change a shared run, by
+    rebinding a value or by changing a container in place, keeps what it changed;
+    every other rank gets copies of the baseline, and from then on each hand-over
+    swaps that run. So a rank that registered a hook keeps the table its handle
+    refers to, and a rank that saved the filter list to restore later (in
+    ``catch_warnings``) restores an object no other rank holds.
     """
 
     def __init__(self) -> None:
@@ -287,75 +310,121 @@ class WorldSlots:
         self.caller: list[Any] = [slot.get() for slot in self.slots]
         self.ranks: list[list[Any]] = []
         self._plan = _Plan([], [])
-        self._shared: list[tuple[Any, ...] | None] = []  # per run: the values every rank shares, or None
+        self._shared: list[_Shared | None] = []  # per run: while every rank shares it, its baseline
+        # per rank, per run: its values as a tuple (to check on the way out) and by name (to load)
+        self._packed: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = []
         self._order()
 
     def start(self, world_size: int) -> list[list[Any]]:
-        """Every rank's starting values (kept by the world; :meth:`save` and :meth:`load` take them)."""
-        self.ranks = [[s.start(c) for s, c in zip(self.slots, self.caller)] for _ in range(world_size)]
+        """Every rank's starting values (kept by the world; :meth:`save` and :meth:`load` take a rank)."""
+        self.ranks = [[] for _ in range(world_size)]
+        for slot, value in zip(self.slots, self.caller):
+            for values, start in zip(self.ranks, slot.starts(value, world_size)):
+                values.append(start)
         self._find_shared()
         return self.ranks
 
     def _find_shared(self) -> None:
-        """Mark the runs whose values are the caller's very objects in every rank."""
-        caller = self.caller
+        """Mark the runs whose values are the very same objects in every rank, and put those in place.
+
+        Runs in the caller's thread before ranks run (a world's or a session job's start).
+        """
         self._shared = []
         for run in self._plan.runs:
-            mine = tuple(caller[run.start : run.stop])
-            same = all(all(map(operator.is_, values[run.start : run.stop], mine)) for values in self.ranks)
-            self._shared.append(mine if same else None)
+            first = tuple(self.ranks[0][run.start : run.stop]) if self.ranks else ()
+            if not self.ranks or not all(
+                all(map(operator.is_, values[run.start : run.stop], first)) for values in self.ranks[1:]
+            ):
+                self._shared.append(None)
+                continue
+            slots = self.slots[run.start : run.stop]
+            self._shared.append(_Shared.of(slots, first))
+            run.namespace.update(zip(run.names, first))  # shared runs are not loaded at hand-overs
+        self._pack()
+
+    def _pack(self) -> None:
+        """Each rank's values of each run in the forms a hand-over uses: a tuple and a dict."""
+        runs = self._plan.runs
+        self._packed = [[_packed(run, tuple(v[run.start : run.stop])) for run in runs] for v in self.ranks]
+
+    def _unshare(self, i: int, keeper: int | None, got: tuple[Any, ...]) -> None:
+        """Give every rank its own values of shared run ``i``: ``keeper`` keeps ``got``, others copy."""
+        run = self._plan.runs[i]
+        known = self._shared[i]
+        assert known is not None
+        slots = self.slots[run.start : run.stop]
+        for rank, values in enumerate(self.ranks):
+            if rank == keeper:
+                mine = got
+            else:
+                mine = tuple(s.copy(b) if s.share is not None else b for s, b in zip(slots, known.baseline))
+            values[run.start : run.stop] = mine
+            self._packed[rank][i] = _packed(run, mine)
+        self._shared[i] = None
 
     def recapture(self) -> None:
         """Take the caller's values anew (a session's next call); ranks take those it changed."""
         if self.version != _REGISTRY.version:
             self._refresh(None)
+        n = len(self.ranks)
         for i, slot in enumerate(self.slots):
             now = slot.get()
             if now is not self.caller[i]:
                 self.caller[i] = now
-                for values in self.ranks:
-                    values[i] = slot.start(now)
+                for values, start in zip(self.ranks, slot.starts(now, n)):
+                    values[i] = start
         self._find_shared()
 
-    def save(self, values: list[Any]) -> None:
-        """Store the process's current values into a rank's list (runs at every hand-over)."""
+    def save(self, rank: int) -> None:
+        """Store the process's current values as ``rank``'s (runs at every hand-over)."""
         if self.version != _REGISTRY.version:
-            self._refresh(values)
+            self._refresh(rank)
+        values = self.ranks[rank]
         shared = self._shared
         runs = self._plan.runs
+        packed = self._packed[rank]
+        is_ = operator.is_
         for i in range(len(runs)):  # plain loops and tuple fields: this runs at every hand-over
             run = runs[i]
             got = run.get(run.namespace)
-            if shared[i] is not None:
-                # equal, not only identical: what ranks share is immutable or compares by identity
-                if got == shared[i]:
-                    continue
-                shared[i] = None  # a rank rebound one: from now on every hand-over swaps the run
-            values[run.start : run.stop] = got
+            known = shared[i]
+            if known is not None:
+                if _equal(got, known.baseline):
+                    for k, obj in known.held:
+                        if got[k] is not obj:
+                            break
+                    else:
+                        continue  # still shared: no rank has changed it
+                self._unshare(i, rank, got)  # this rank rebound a value or changed a container
+            elif not all(map(is_, got, packed[i][0])):  # identity: an equal copy is another object
+                packed[i] = _packed(run, got)
+                values[run.start : run.stop] = got
         for index, slot in self._plan.singles:
             values[index] = slot.get()
 
-    def load(self, values: list[Any]) -> None:
-        """Make a rank's values the process's current ones (runs at every hand-over)."""
+    def load(self, rank: int) -> None:
+        """Make ``rank``'s values the process's current ones (runs at every hand-over)."""
         if self.version != _REGISTRY.version:
             self._refresh(None)  # the rank that ran last finished: its values are moot
         shared = self._shared
         runs = self._plan.runs
+        packed = self._packed[rank]
         for i in range(len(runs)):
             if shared[i] is not None:
                 continue
             run = runs[i]
-            incoming = values[run.start : run.stop]
+            incoming, by_name = packed[i]
             namespace = run.namespace
             changed = False
             for k, name in run.watched:
                 if namespace[name] is not incoming[k]:
                     changed = True
                     break
-            namespace.update(zip(run.names, incoming))
+            namespace.update(by_name)
             if changed:
                 for after in run.afters:
                     after()
+        values = self.ranks[rank]
         for index, slot in self._plan.singles:
             slot.set(values[index])
 
@@ -366,12 +435,17 @@ class WorldSlots:
         for slot, value in zip(self.slots, self.caller):
             slot.set(value)
 
-    def _refresh(self, saving: list[Any] | None) -> None:
+    def _refresh(self, saving_rank: int | None) -> None:
         """Take in declarations made since the world started (or removed since).
 
-        ``saving``: the values of the rank that is running (its current values become
-        its own); every other rank and the caller start a slot that joins late afresh.
+        ``saving_rank``: the rank that is running (its current values become its own);
+        every other rank and the caller start a slot that joins late afresh.
         """
+        for i, baseline in enumerate(self._shared):  # the runs change: every rank its own values
+            if baseline is not None:
+                run = self._plan.runs[i]
+                self._unshare(i, saving_rank, run.get(run.namespace))
+        saving = self.ranks[saving_rank] if saving_rank is not None else None
         current = list(_REGISTRY.slots)
         self.version = _REGISTRY.version
         still = {id(s) for s in current}
@@ -388,6 +462,7 @@ class WorldSlots:
             values[:] = [values[i] for i in kept] + fills
         self._order()
         self._shared = [None] * len(self._plan.runs)  # mid-world: every run swaps from now on
+        self._pack()
 
     def _order(self) -> None:
         """Put module globals first, grouped by module, and plan the hand-overs' steps.
@@ -408,6 +483,36 @@ class WorldSlots:
         self.caller = [self.caller[i] for i in order]
         for values in self.ranks:
             values[:] = [values[i] for i in order]
+
+
+def _packed(run: _ModuleRun, values: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return values, dict(zip(run.names, values))
+
+
+def _equal(got: tuple[Any, ...], baseline: tuple[Any, ...]) -> bool:
+    """Whether a shared run's values still equal its baseline (a rebound value may not compare)."""
+    try:
+        return bool(got == baseline)
+    except Exception:  # e.g. a tensor rebound in place of another: not the shared value
+        return False
+
+
+class _Shared(NamedTuple):
+    """A run every rank shares: what a rank's hand-over compares it with."""
+
+    # The values when sharing began, containers copied: a container changed in place no
+    # longer equals its copy (compared against itself it always would).
+    baseline: tuple[Any, ...]
+    # (position, object) of the shared containers whose identity matters: a rank that
+    # rebinds one to an equal copy (catch_warnings does) must keep its copy. Empty hook
+    # tables are interchangeable, so not theirs.
+    held: tuple[tuple[int, Any], ...]
+
+    @classmethod
+    def of(cls, slots: Sequence[_Slot], values: tuple[Any, ...]) -> _Shared:
+        baseline = tuple(s.copy(v) if s.share is not None else v for s, v in zip(slots, values))
+        held = tuple((k, v) for k, (s, v) in enumerate(zip(slots, values)) if s.share == "unchanged")
+        return cls(baseline, held)
 
 
 def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:

@@ -13,7 +13,7 @@ import os
 import random
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,19 +44,16 @@ class RankState:
     cuda_rng: list[torch.Tensor] | None
     default_dtype: torch.dtype
     rank_env: tuple[tuple[str, str], ...] = ()  # RANK, LOCAL_RANK
-    slots: WorldSlots | None = None  # the values declared per rank (meshsim.per_rank), if any
-    declared: list[Any] = field(default_factory=list)  # this rank's values of them
+    slots: WorldSlots | None = None  # the values declared per rank (meshsim.per_rank): every rank's
 
     @classmethod
     def fresh(cls, world_size: int, caller: ProcessState) -> list[RankState]:
         """Every rank's starting state: the caller's RNG and dtype (as captured), as after a fork."""
         rng, cuda_rng, dtype = caller.rng, caller.cuda_rng, caller.default_dtype
         slots = caller.slots
-        declared = slots.start(world_size)
-        return [
-            cls(rank, world_size, rng, cuda_rng, dtype, _rank_env(rank), slots, declared[rank])
-            for rank in range(world_size)
-        ]
+        slots.start(world_size)
+        env = _rank_env
+        return [cls(rank, world_size, rng, cuda_rng, dtype, env(rank), slots) for rank in range(world_size)]
 
     def save(self) -> None:
         """Remember the process's current values as this rank's (runs at every hand-over)."""
@@ -65,7 +62,7 @@ class RankState:
             self.cuda_rng = _cuda_rng()
         self.default_dtype = torch.get_default_dtype()
         if self.slots is not None:
-            self.slots.save(self.declared)
+            self.slots.save(self.rank)
 
     def load(self) -> None:
         """Make this rank's values the process's current ones (runs at every hand-over)."""
@@ -76,7 +73,7 @@ class RankState:
             torch.set_default_dtype(self.default_dtype)
         _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
         if self.slots is not None:
-            self.slots.load(self.declared)
+            self.slots.load(self.rank)
 
     def load_world_env(self) -> None:
         """Set the environment every rank shares (once, before any rank runs).

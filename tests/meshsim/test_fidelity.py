@@ -241,6 +241,54 @@ def test_a_ranks_global_hook_sees_only_its_own_modules() -> None:
     assert meshsim.run(_count_module_calls, 4) == [1, 1, 1, 1]
 
 
+def _one_rank_hooks_its_modules() -> list[int]:
+    calls: list[str] = []
+    rank = dist.get_rank()
+    handle = None
+    if rank == 1:  # the other ranks register nothing: their tables stay empty
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append("hooked"))
+    dist.barrier()
+    torch.nn.Linear(2, 2)(torch.ones(2))
+    seen = [len(calls)]
+    dist.barrier()
+    if handle is not None:
+        handle.remove()  # through the handle: the table it refers to is this rank's
+    dist.barrier()
+    torch.nn.Linear(2, 2)(torch.ones(2))
+    return [*seen, len(calls)]
+
+
+def test_a_hook_one_rank_registers_and_removes_is_its_own() -> None:
+    module = torch.nn.modules.module
+    tables = module._global_forward_hooks
+    assert meshsim.run(_one_rank_hooks_its_modules, 3) == [[0, 0], [1, 1], [0, 0]]
+    assert module._global_forward_hooks is tables and not tables
+
+
+def _count_forward_calls() -> int:
+    dist.barrier()
+    before = len(_CALLER_HOOK_CALLS)  # the list is the process's: no other rank runs until the barrier
+    torch.nn.Linear(2, 2)(torch.ones(2))
+    calls = len(_CALLER_HOOK_CALLS) - before
+    dist.barrier()
+    return calls
+
+
+_CALLER_HOOK_CALLS: list[int] = []
+
+
+def test_a_hook_the_caller_registered_runs_in_every_rank_and_stays_the_callers() -> None:
+    # as after a fork: every rank starts with the caller's hooks
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: _CALLER_HOOK_CALLS.append(1)
+    )
+    try:
+        assert meshsim.run(_count_forward_calls, 3) == [1, 1, 1]
+    finally:
+        handle.remove()
+    assert not torch.nn.modules.module._global_forward_hooks
+
+
 # -- D4: torch.distributed flags that ranks set are per rank; the caller's is back after --
 
 
@@ -313,6 +361,56 @@ def test_a_ranks_warning_filters_are_its_own() -> None:
         warnings.simplefilter("ignore")
         assert meshsim.run(_a_filter_set_in_a_rank, 3) == [1, 0, 0]
     assert warnings.filters == filters
+
+
+def _catch_warnings_then_another_rank_filters() -> int:
+    # rank 0 saves the filter list (to restore on exit) before rank 1 changes its own in place
+    if dist.get_rank() == 0:
+        with warnings.catch_warnings():
+            dist.barrier()
+    else:
+        dist.barrier()
+        if dist.get_rank() == 1:
+            warnings.simplefilter("error")
+    dist.barrier()
+    return _raises_on_a_warning()
+
+
+def _another_rank_filters_then_catch_warnings() -> int:
+    # rank 0 changes its filter list in place before rank 1 saves it (to restore on exit)
+    if dist.get_rank() == 0:
+        warnings.simplefilter("error")
+        dist.barrier()
+    else:
+        with warnings.catch_warnings():
+            dist.barrier()
+    dist.barrier()
+    return _raises_on_a_warning()
+
+
+def _raises_on_a_warning() -> int:
+    try:
+        warnings.warn("a warning", UserWarning, stacklevel=1)
+    except UserWarning:
+        return 1
+    return 0
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (_catch_warnings_then_another_rank_filters, [0, 1, 0]),
+        (_another_rank_filters_then_catch_warnings, [1, 0, 0]),
+    ],
+    ids=["saved-then-changed", "changed-then-saved"],
+)
+def test_a_filter_list_a_rank_saved_is_not_another_ranks(body: Any, expected: list[int]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        filters = warnings.filters
+        content = list(filters)
+        assert meshsim.run(body, 3) == expected
+        assert warnings.filters is filters and warnings.filters == content
 
 
 # -- D4: other torch.distributed globals a world leaves changed are reported ------------
