@@ -123,13 +123,15 @@ def _rebuild(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Any], 
 
 
 def _hashable(value: Any) -> Any:
-    if isinstance(value, list):
-        as_tuple = tuple(value)
-        try:
-            hash(as_tuple)  # a list of ints (dims, sizes): the common case
-            return as_tuple
-        except TypeError:
-            return tuple(_hashable(v) for v in value)
+    """A static argument as part of a plan key: scalars with their type (``2`` and ``2.0`` are
+    equal keys but promote differently), lists and tuples as tuples of their parts."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return (kind, value)
+    if kind is list or kind is tuple:
+        if _INTS.issuperset(map(type, value)):
+            return tuple(value)  # dims and sizes: the common case
+        return tuple(_hashable(v) for v in value)
     if isinstance(value, torch.Tensor):  # a tensor inside a constant list: only its shape matters
         return ("tensor", tuple(value.shape), value.dtype)
     return value
@@ -153,6 +155,7 @@ class _Plain(Exception):
 
 
 _SCALARS = (int, float, bool, type(None), str)
+_INTS = frozenset({int})
 
 
 def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> tuple[Any, ...]:
@@ -161,7 +164,8 @@ def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> t
     Raises:
         _Plain: a plain tensor with dims is an argument (it must be promoted first).
     """
-    static_argnum, static_keys = _static_args(op)
+    info = _SCHEMA_INFO.get(id(op))
+    static_argnum, static_keys = info if info is not None else _static_args(op)
     # The mesh object itself is part of the key, not just an equal one: a plan's output
     # specs hold the mesh they were made with, and an equal mesh of an earlier world
     # (simulated ranks reuse threads) would hand back its process groups. The cache keeps
@@ -176,7 +180,10 @@ def _key(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> t
                 mesh_id = id(spec.mesh)
             parts.append(spec)
         elif kind in _SCALARS:
-            parts.append(a if i >= static_argnum else kind)
+            # the type always: 2 and 2.0 (or True and 1) are equal keys but promote differently
+            parts.append((kind, a) if i >= static_argnum else kind)
+        elif kind is list and i >= static_argnum and _INTS.issuperset(map(type, a)):
+            parts.append(tuple(a))  # dims and sizes: the common non-tensor argument
         else:
             parts.append(_key_part(a, cls, i >= static_argnum))
     for k, v in kwargs.items():
@@ -200,7 +207,7 @@ def _first_mesh_id(parts: Any) -> int | None:
 def _key_part(a: Any, cls: type, static: bool) -> Any:
     kind = type(a)
     if kind in _SCALARS:
-        return a if static else kind
+        return (kind, a) if static else kind
     if isinstance(a, cls):
         return a._spec  # type: ignore[attr-defined]
     if isinstance(a, torch.Tensor):
@@ -247,8 +254,8 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 local_args[i] = a._local_tensor  # type: ignore[attr-defined]
         result = plan.op(*local_args, **kwargs)
         out = plan.outputs
-        if result.shape != out.local_shape:
-            _wrong_shape(plan.op, result, out)
+        if result.shape != out.local_shape or result.dtype != out.dtype:
+            _wrong_layout(plan.op, result, out)
         wrapped = _new_wrapper(cls, out.shape, strides=out.stride, dtype=out.dtype, device=result.device)
         wrapped._local_tensor = result
         wrapped._spec = out
@@ -294,8 +301,8 @@ def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) 
         return args[0]
     out = plan.outputs
     if isinstance(result, torch.Tensor) and isinstance(out, ShardTensorSpec):
-        if result.shape != out.local_shape:
-            _wrong_shape(plan.op, result, out)
+        if result.shape != out.local_shape or result.dtype != out.dtype:
+            _wrong_layout(plan.op, result, out)
         return _state["wrap"](cls, result, out)
     return _wrap(result, out, cls, plan.op)
 
@@ -317,11 +324,11 @@ def _localize(
     return _rebuild(args, kwargs, local)
 
 
-def _wrong_shape(op: Any, result: torch.Tensor, spec: ShardTensorSpec) -> None:
+def _wrong_layout(op: Any, result: torch.Tensor, spec: ShardTensorSpec) -> None:
     raise RuntimeError(
-        f"shardtensor: {op} gave a local result of shape {tuple(result.shape)} on this rank, but "
-        f"the output layout {spec} expects {spec.local_shape}; this is a bug in shardtensor's "
-        "plan for this op, please report it with the input layouts"
+        f"shardtensor: {op} gave a local result of shape {tuple(result.shape)} and dtype {result.dtype} "
+        f"on this rank, but the output layout {spec} expects {spec.local_shape} and {spec.dtype}; this "
+        "is a bug in shardtensor's plan for this op, please report it with the input layouts"
     )
 
 
@@ -335,8 +342,8 @@ def _wrap(result: Any, spec: Any, cls: type, op: Any) -> Any:
     if isinstance(result, torch.Tensor):
         if spec is None:
             return result
-        if result.shape != spec.local_shape:
-            _wrong_shape(op, result, spec)
+        if result.shape != spec.local_shape or result.dtype != spec.dtype:
+            _wrong_layout(op, result, spec)
         return _state["wrap"](cls, result, spec)
     if isinstance(result, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(result)

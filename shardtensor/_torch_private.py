@@ -157,9 +157,16 @@ def propagate(op: Any, args_schema: tuple[Any, ...], kwargs_schema: dict[str, An
     prop = _propagator()
     info = prop.op_to_schema_info.get(op)
     schema = OpSchema(op, args_schema, kwargs_schema, schema_info=info)
-    if are_we_tracing():  # symbolic shapes are not hashable: skip DTensor's cache
+    # Skip DTensor's cache where it could answer for another call: symbolic shapes are not
+    # hashable, and its key leaves out non-static arguments, so ``x * 2`` and ``x * 2.0``
+    # meet one entry and the second gets the first's output dtype (DTensor itself takes
+    # the dtype from the local result; a plan takes it from here). Callers cache plans.
+    if are_we_tracing() or any(type(a) in _NUMBERS for a in (*args_schema, *kwargs_schema.values())):
         return prop.propagate_op_sharding_non_cached(schema)
     return prop.propagate_op_sharding(schema)
+
+
+_NUMBERS = (int, float, bool, complex)
 
 
 def shape_arg_index(op: Any) -> int | tuple[int, int] | None:

@@ -165,3 +165,23 @@ def test_an_in_place_op_that_would_change_the_layout_is_refused(distributed_mesh
     pending = layout.shard(layout.full(3)).sum(0)  # Partial: exp of a pending sum needs the sum first
     with pytest.raises(RuntimeError, match=r"aten.exp_.default: .*in-place"):
         pending.exp_()
+
+
+@pytest.mark.world(2)
+def test_python_scalars_promote_by_their_own_type(distributed_mesh) -> None:
+    # 2 == 2.0 and True == 1: one op with each in turn must still promote by type
+    from torch.distributed.tensor import Shard
+
+    full = torch.arange(8, device=distributed_mesh.device_type)
+    x = ShardTensor.from_local(
+        torch.chunk(full, 2)[distributed_mesh.get_local_rank()],
+        distributed_mesh,
+        [Shard(0)],
+        "chunk",
+        full.shape,
+    )
+    for scalar in (2, 2.0, True, 1, 0.5):
+        y = x * scalar
+        expected = full * scalar
+        assert y.dtype == y.to_local().dtype == expected.dtype, scalar
+        torch.testing.assert_close(y.full_tensor(), expected)
