@@ -14,7 +14,7 @@ Private torch names patched here, checked in torch 2.11, 2.12, 2.13, 2.14 and 2.
 thread, and ``_propagate_tensor_meta_cached``), the tables of
 ``dist.Backend`` (``backend_capability``, ``backend_type_map``,
 ``default_device_backend_map``, ``_plugins``, ``backend_list``) and
-``torch._C._set_multithreading_enabled``.
+``torch._C._set_multithreading_enabled``; called: ``torch._C._ensureCUDADeviceGuardSet``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class _Patches:
         undo = self._undo
         try:
             undo.append(_clear_dtensor_caches)  # undone last: plans that hold ended worlds' meshes
+            _fake_cuda_guard_in_main_thread()
             self.worlds, undo_worlds = _thread_worlds.install()
             undo.append(undo_worlds)
             undo.append(_backward_in_calling_thread())
@@ -168,6 +169,25 @@ def _cache_clear(cached: Any) -> None:
     clear = getattr(cached, "cache_clear", None)
     if clear is not None:
         clear()
+
+
+def _fake_cuda_guard_in_main_thread() -> None:
+    """Register FakeTensorMode's no-op CUDA device guard here, from the main thread.
+
+    Without a usable GPU, entering FakeTensorMode (as DTensor's sharding propagation
+    does for every new layout) first calls ``ensureCUDADeviceGuardSet``, which
+    replaces a CUDA guard that sees no device by a no-op one, process-wide. torch
+    2.11 keeps that no-op guard in a ``thread_local`` of the first thread to call:
+    when that thread exits (a failed world's rank threads end, idle ones are
+    reaped), the registry points at freed memory and the next FakeTensorMode entry,
+    in any thread, segfaults. Called first by the main thread, which lives as long
+    as the process, the guard never dangles. torch 2.13, 2.14 and 2.15 keep the
+    guard in a static (checked in their ``libc10``), where this early call changes
+    nothing torch would not. It leaves a guard that sees a GPU alone, and there is
+    nothing to undo: torch never removes the guard it registers.
+    """
+    if threading.current_thread() is threading.main_thread():
+        torch._C._ensureCUDADeviceGuardSet()
 
 
 def _backward_in_calling_thread() -> Undo:

@@ -226,3 +226,44 @@ def test_a_forked_child_starts_with_no_idle_threads() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "child exit code 0" in result.stdout
+
+
+_FAKE_MODE_AFTER_ENDED_THREADS = """
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import meshsim
+
+def enter_fake_mode_then_fail() -> None:
+    with FakeTensorMode():
+        pass
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+
+try:
+    meshsim.run(enter_fake_mode_then_fail, 2)
+except meshsim.RankError:
+    pass
+
+def enter_fake_mode() -> tuple[int, ...]:
+    with FakeTensorMode():
+        return tuple(torch.empty(3, 2).shape)
+
+print(meshsim.run(enter_fake_mode, 2))
+"""
+
+
+def test_fake_tensor_mode_works_after_the_threads_that_first_entered_it_ended() -> None:
+    # torch 2.11 keeps the no-op CUDA guard FakeTensorMode registers (without a GPU)
+    # in the first entering thread's thread_local: a later entry segfaulted once that
+    # rank thread had ended. A fresh interpreter: the first entry must be a rank's.
+    result = subprocess.run(
+        [sys.executable, "-c", _FAKE_MODE_AFTER_ENDED_THREADS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[(3, 2), (3, 2)]"
