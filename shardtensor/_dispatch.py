@@ -40,7 +40,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardtensor import _redistribute, _torch_private
-from shardtensor._spec import ShardTensorSpec, chunk_sizes, make_spec
+from shardtensor._spec import ShardTensorSpec, chunk_sizes, contiguous_stride, make_spec
 from shardtensor._views import VIEW_OPS, view_layouts
 
 __all__ = ["dispatch", "plan_cache_clear"]
@@ -54,6 +54,16 @@ _MEAN_AS_SUM = {
     aten.mean.default: aten.sum.default,
     aten.mean.dim: aten.sum.dim_IntList,
 }
+
+
+# Uninitialized factories: a result of the input's own shape takes the input's layout
+# (shard sizes and pending Partial included), since its memory is about to be
+# overwritten. Autograd stores a leaf's gradient that way (``clone_obey_contract``:
+# new_empty_strided, then copy_). DTensor's rules in torch 2.13, 2.14 and 2.15 say the
+# same; torch 2.11's make new_empty_strided Replicate where the input is Partial or its
+# sharded extent does not divide evenly, which turned a leaf's sharded gradient into a
+# gathered one, and only on the ranks where autograd could not take the gradient as is.
+_UNINITIALIZED_FACTORIES = frozenset({aten.new_empty.default, aten.new_empty_strided.default})
 
 
 class _Unrepresentable(Exception):
@@ -434,6 +444,9 @@ def _plan_for(
     if op in VIEW_OPS and starting[0] is not None:
         source, outputs = view_layouts(starting[0], args[1])
         targets: list[ShardTensorSpec | None] = [in_specs[0] if in_specs[0] == source else source]
+    elif op in _UNINITIALIZED_FACTORIES and starting[0] is not None and _same_shape(args[1], starting[0]):
+        targets = [starting[0]]
+        outputs = _uninitialized_like(op, args, kwargs, starting[0])
     else:
         args_schema, kwargs_schema = _rebuild(args, kwargs, to_dspec)
         sharding = _torch_private.propagate(prop_op, args_schema, kwargs_schema)
@@ -475,6 +488,20 @@ def _plan_for(
         identity,
         simple,
     )
+
+
+def _same_shape(size: Sequence[int], spec: ShardTensorSpec) -> bool:
+    return tuple(size) == tuple(spec.shape)
+
+
+def _uninitialized_like(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], spec: ShardTensorSpec
+) -> ShardTensorSpec:
+    """The spec of ``new_empty``/``new_empty_strided`` of ``spec``'s own shape: its layout."""
+    dtype = kwargs.get("dtype") or spec.dtype
+    stride = tuple(args[2]) if op is aten.new_empty_strided.default else contiguous_stride(spec.shape)
+    sizes = {m: s for m, s in enumerate(spec.shard_sizes) if s is not None}
+    return make_spec(spec.mesh, spec.placements, spec.shape, dtype, sizes, stride, spec.coordinate)
 
 
 def _returns_one_tensor(op: Any) -> bool:
@@ -646,8 +673,6 @@ def _local_shape_arg(
     if local is None:
         raise _Unrepresentable("unknown local shape")
     if isinstance(index, tuple):
-        from shardtensor._spec import contiguous_stride
-
         return index[0], local, contiguous_stride(local)
     return index, local, None
 

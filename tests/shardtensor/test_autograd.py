@@ -154,6 +154,52 @@ def test_a_shard_tensor_leaf_accumulates_its_grad_across_layouts(distributed_mes
     assert torch.equal(leaf.grad.to_local(), torch.full((2, 3), 2.0 + 1, device=mesh.device_type))
 
 
+@pytest.mark.world(2, 4)
+@pytest.mark.parametrize("kind", ["even", "uneven", "empty"])
+def test_a_leaf_gradient_autograd_copies_keeps_the_leaf_layout(distributed_mesh, world_size, kind) -> None:
+    # A hook that keeps the gradient makes autograd store a copy of it
+    # (new_empty_strided + copy_) instead of the gradient itself.
+    mesh = distributed_mesh
+    full = global_tensor((KINDS[kind](world_size), 3), torch.float32, mesh.device_type)
+    leaf = ShardTensor.from_local(shard(full, mesh, [Shard(0)]), mesh, [Shard(0)], "chunk", full.shape)
+    leaf = leaf.detach().requires_grad_()
+    kept: list[torch.Tensor] = []
+    leaf.register_hook(kept.append)
+    with meshsim.record() as led:
+        (3 * leaf).to_local().sum().backward()
+    assert led.counts() == {}
+    assert isinstance(leaf.grad, ShardTensor) and leaf.grad._spec == leaf._spec
+    assert leaf.grad is not kept[0]
+    assert torch.equal(leaf.grad.to_local(), torch.full_like(leaf.to_local(), 3.0))
+
+
+SOURCES = {
+    "shard": lambda rows: rows,
+    "partial": lambda rows: rows.sum(dim=0, keepdim=True),
+    "replicate": lambda rows: rows.redistribute(placements=[Replicate()]),
+}
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_new_empty_of_the_inputs_shape_takes_its_layout(distributed_mesh, rank, source) -> None:
+    mesh = distributed_mesh
+    local = torch.ones(2 if rank < 3 else 1, 3, device=mesh.device_type)
+    rows = ShardTensor.from_local(local, mesh, [Shard(0)], "chunk", (7, 3))  # 2, 2, 2, 1
+    x = SOURCES[source](rows)
+    shape = tuple(x.shape)
+    with meshsim.record() as led:
+        strided = x.new_empty_strided(shape, x.stride(), dtype=torch.float64)
+        empty = x.new_empty(shape)
+        other_shape = x.new_empty((*shape, 2))
+    assert led.counts() == {}
+    for result in (strided, empty):
+        assert result.placements == x.placements and result._spec.shard_sizes == x._spec.shard_sizes
+        assert result.to_local().shape == x.to_local().shape
+    assert strided.dtype == torch.float64 and empty.dtype == torch.float32
+    assert other_shape.placements == (Replicate(),) and other_shape.to_local().shape == (*shape, 2)
+
+
 @pytest.mark.world(2)
 def test_two_paths_to_one_leaf_add_up(distributed_mesh, rank) -> None:
     leaf = torch.ones(2, 3, device=distributed_mesh.device_type, requires_grad=True)
