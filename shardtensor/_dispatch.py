@@ -457,6 +457,7 @@ def _plan_for(
             run_op, rewritten = suggested.op, tuple(suggested.args_schema)
         if _torch_private.scalar_shape_adjusted(op) and any(t is not None and _is_uneven(t) for t in targets):
             raise _Unrepresentable(f"{op} rewrites size arguments for torch.chunk layouts only")
+        _check_no_pending_indices(op, sharding.output_spec)
         outputs = _output_specs(sharding.output_spec, targets, mesh, coordinate, op)
     shape_arg = _local_shape_arg(prop_op, outputs, args)
     inplace = _is_inplace(op)
@@ -614,6 +615,27 @@ def _align(
         original = current[i]
         targets[i] = original if original == spec else spec
     return targets
+
+
+# Ops returning (values, indices) whose indices index the reduced dim.
+_WITH_INDICES = frozenset({aten.max.dim, aten.min.dim})
+
+
+def _check_no_pending_indices(op: Any, out: Any) -> None:
+    """Refuse a plan that leaves indices pending: each rank's are local to its shard.
+
+    torch 2.11's DTensor rule for max.dim and min.dim over a sharded dim gives the
+    indices ``Partial("max")`` like the values, which combines positions of different
+    shards (and fails on an empty shard); torch 2.13, 2.14 and 2.15 gather the reduced
+    dim first, as the replicated plan this raise leads to does.
+
+    Raises:
+        _Unrepresentable: ``op`` returns indices and DTensor leaves them pending.
+    """
+    if op not in _WITH_INDICES or not isinstance(out, (list, tuple)) or len(out) < 2:
+        return
+    if out[1] is not None and any(isinstance(p, Partial) for p in out[1].placements):
+        raise _Unrepresentable(f"{op} leaves its indices pending ({tuple(out[1].placements)})")
 
 
 def _is_uneven(spec: ShardTensorSpec) -> bool:
