@@ -313,6 +313,9 @@ class WorldSlots:
         self._shared: list[_Shared | None] = []  # per run: while every rank shares it, its baseline
         # per rank, per run: its values as a tuple (to check on the way out) and by name (to load)
         self._packed: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = []
+        self._swapped: list[int] = []  # the runs that are not shared
+        # the shared runs' getters, namespaces and baselines, and their (namespace, name, object) held
+        self._check: tuple[tuple[Any, ...], ...] = ((), (), (), ())
         self._order()
 
     def start(self, world_size: int) -> list[list[Any]]:
@@ -346,6 +349,20 @@ class WorldSlots:
         """Each rank's values of each run in the forms a hand-over uses: a tuple and a dict."""
         runs = self._plan.runs
         self._packed = [[_packed(run, tuple(v[run.start : run.stop])) for run in runs] for v in self.ranks]
+        self._index_runs()
+
+    def _index_runs(self) -> None:
+        """What hand-overs go through: the shared runs' check, and the positions of the swapped runs."""
+        runs = self._plan.runs
+        shared = [(run, known) for run, known in zip(runs, self._shared) if known is not None]
+        self._swapped = [i for i, known in enumerate(self._shared) if known is None]
+        # a run of one global is checked as its bare value (a plain itemgetter, no wrapper)
+        self._check = (
+            tuple(run.get if len(run.names) > 1 else operator.itemgetter(run.names[0]) for run, _ in shared),
+            tuple(run.namespace for run, _ in shared),
+            tuple(known.baseline if len(run.names) > 1 else known.baseline[0] for run, known in shared),
+            tuple((run.namespace, run.names[k], obj) for run, known in shared for k, obj in known.held),
+        )
 
     def _unshare(self, i: int, keeper: int | None, got: tuple[Any, ...]) -> None:
         """Give every rank its own values of shared run ``i``: ``keeper`` keeps ``got``, others copy."""
@@ -361,6 +378,7 @@ class WorldSlots:
             values[run.start : run.stop] = mine
             self._packed[rank][i] = _packed(run, mine)
         self._shared[i] = None
+        self._index_runs()
 
     def recapture(self) -> None:
         """Take the caller's values anew (a session's next call); ranks take those it changed."""
@@ -379,39 +397,52 @@ class WorldSlots:
         """Store the process's current values as ``rank``'s (runs at every hand-over)."""
         if self.version != _REGISTRY.version:
             self._refresh(rank)
+        getters, namespaces, baselines, held = self._check
+        if getters:
+            # every shared run at once, in C: the common case is that none changed
+            try:
+                unchanged = tuple(map(_call, getters, namespaces)) == baselines
+            except Exception:  # a rebound value that does not compare (a tensor): find it below
+                unchanged = False
+            if unchanged:
+                for namespace, name, obj in held:
+                    if namespace[name] is not obj:
+                        unchanged = False
+                        break
+            if not unchanged:
+                self._unshare_changed(rank)
         values = self.ranks[rank]
-        shared = self._shared
         runs = self._plan.runs
         packed = self._packed[rank]
         is_ = operator.is_
-        for i in range(len(runs)):  # plain loops and tuple fields: this runs at every hand-over
+        for i in self._swapped:  # plain loops and tuple fields: this runs at every hand-over
             run = runs[i]
             got = run.get(run.namespace)
-            known = shared[i]
-            if known is not None:
-                if _equal(got, known.baseline):
-                    for k, obj in known.held:
-                        if got[k] is not obj:
-                            break
-                    else:
-                        continue  # still shared: no rank has changed it
-                self._unshare(i, rank, got)  # this rank rebound a value or changed a container
-            elif not all(map(is_, got, packed[i][0])):  # identity: an equal copy is another object
+            if not all(map(is_, got, packed[i][0])):  # identity: an equal copy is another object
                 packed[i] = _packed(run, got)
                 values[run.start : run.stop] = got
         for index, slot in self._plan.singles:
             values[index] = slot.get()
 
+    def _unshare_changed(self, rank: int) -> None:
+        """Give up sharing each shared run that ``rank`` rebound a value of, or changed in place."""
+        for i, known in enumerate(self._shared):
+            if known is None:
+                continue
+            run = self._plan.runs[i]
+            got = run.get(run.namespace)
+            # equal, not only identical: what ranks share is immutable or compares by identity
+            if _equal(got, known.baseline) and all(got[k] is obj for k, obj in known.held):
+                continue
+            self._unshare(i, rank, got)
+
     def load(self, rank: int) -> None:
         """Make ``rank``'s values the process's current ones (runs at every hand-over)."""
         if self.version != _REGISTRY.version:
             self._refresh(None)  # the rank that ran last finished: its values are moot
-        shared = self._shared
         runs = self._plan.runs
         packed = self._packed[rank]
-        for i in range(len(runs)):
-            if shared[i] is not None:
-                continue
+        for i in self._swapped:  # shared runs are in place already
             run = runs[i]
             incoming, by_name = packed[i]
             namespace = run.namespace
@@ -424,9 +455,10 @@ class WorldSlots:
             if changed:
                 for after in run.afters:
                     after()
-        values = self.ranks[rank]
-        for index, slot in self._plan.singles:
-            slot.set(values[index])
+        if self._plan.singles:
+            values = self.ranks[rank]
+            for index, slot in self._plan.singles:
+                slot.set(values[index])
 
     def restore_caller(self) -> None:
         """Put the caller's values back (the world's end, or between a session's jobs)."""
@@ -483,6 +515,10 @@ class WorldSlots:
         self.caller = [self.caller[i] for i in order]
         for values in self.ranks:
             values[:] = [values[i] for i in order]
+
+
+# operator.call (3.11+) calls each getter on its namespace from C
+_call: Callable[[Callable[[Any], Any], Any], Any] = getattr(operator, "call", lambda f, x: f(x))
 
 
 def _packed(run: _ModuleRun, values: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -114,6 +114,25 @@ def test_a_value_every_rank_shares_at_first_is_still_per_rank_when_one_rebinds_i
     assert (state.LEVEL, state.NAME) == (0, "caller")
 
 
+def test_a_shared_value_rebound_to_one_that_does_not_compare_is_still_per_rank() -> None:
+    # a tensor shared by every rank (fresh returns the same one), rebound by one rank to
+    # another: the two do not compare to a bool, and the rebinding is still that rank's
+    state = types.ModuleType("weights")
+    shared = torch.zeros(3)
+    state.W = shared
+
+    def body() -> list[float]:
+        if dist.get_rank() == 1:
+            state.W = torch.ones(3)
+        dist.barrier()
+        return state.W.tolist()
+
+    with meshsim.per_rank(state, "W", fresh=lambda: shared):
+        results = meshsim.run(body, 3)
+    assert results == [[0.0] * 3, [1.0] * 3, [0.0] * 3]
+    assert state.W is shared
+
+
 def test_a_singletons_attributes_are_per_rank() -> None:
     class Settings:
         def __init__(self) -> None:
