@@ -7,8 +7,9 @@ sees each of them once and produces exactly the :class:`~meshsim.Collective` the
 simulated backend records for the same call: same op and api names, group,
 dtype, bytes, reduce op and sequence numbers.
 
-Tensor subclasses (DTensor) are let through first (``NotImplemented``), so the
-collectives they desugar into are seen on plain tensors, as on the simulated backend.
+Tensor subclasses (DTensor, ShardTensor) are let through first (``NotImplemented``),
+so their own ``__torch_dispatch__`` runs with this mode entered and the collectives
+they desugar into are seen on plain tensors, as on the simulated backend.
 """
 
 from __future__ import annotations
@@ -291,12 +292,16 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         kwargs = kwargs or {}
         handler = _HANDLERS.get((func.namespace, func._overloadpacket.__name__))
         if handler is None:
+            if any(_runs_own_dispatch(t) for t in types):
+                # A user subclass (ShardTensor): calling ``func`` here would run its
+                # __torch_dispatch__ with this mode off (a mode is off inside its own
+                # handler), and the collectives it issues would go unrecorded. Declining
+                # lets torch call the subclass with this mode still entered.
+                return NotImplemented
             return func(*args, **kwargs)
         if any(t is not Tensor and issubclass(t, Tensor) for t in types):
             # A collective on a subclass (DTensor): let it desugar first, then see the
-            # plain-tensor collectives it issues. Only collectives: FakeTensor (DTensor's
-            # sharding propagation) also answers NotImplemented to foreign modes, and two
-            # refusals would fail every DTensor operator.
+            # plain-tensor collectives it issues.
             return NotImplemented
         site = _sites.call_site(2)
         self.entered = time.monotonic()
@@ -341,6 +346,29 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if ranks is None:
             ranks = self._ranks[name] = tuple(dist.get_process_group_ranks(pg))
         return name, ranks, pg.rank()
+
+
+def _refusing_subclasses() -> tuple[type, ...]:
+    """torch's own subclasses that answer NotImplemented to a foreign mode's ops.
+
+    FakeTensor (DTensor's sharding propagation, torch.compile's tracing) and
+    FunctionalTensor (AOTAutograd) decline an op while their mode is entered or when
+    another mode's type is present; were this mode to decline too, nobody would take
+    the op and torch would raise. Their ops run here as on plain tensors. Private
+    module paths: checked on torch 2.13 (both classes live there since torch 2.1).
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (FakeTensor, FunctionalTensor)
+
+
+_REFUSING: tuple[type, ...] = _refusing_subclasses()
+
+
+def _runs_own_dispatch(t: type) -> bool:
+    """Whether a tensor subclass should run its own __torch_dispatch__ under this mode."""
+    return t is not Tensor and issubclass(t, Tensor) and not issubclass(t, _REFUSING)
 
 
 # Single-tensor functional collectives whose complex tensors c10d's C++ layer hands to

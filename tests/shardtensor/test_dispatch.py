@@ -28,6 +28,24 @@ def test_a_later_world_never_gets_an_earlier_worlds_mesh() -> None:
     assert first == second == [(True, 24.0), (True, 24.0)]
 
 
+def _softmax_over_the_sharded_dim() -> list[meshsim.Collective]:
+    mesh = init_device_mesh("cpu", (2,))
+    local = torch.full((2, 3), float(mesh.get_local_rank()))
+    x = ShardTensor.from_local(local, mesh, [Shard(0)], "chunk", (4, 3))
+    with meshsim.record() as ledger:
+        x.softmax(0)  # aten._softmax reaches __torch_dispatch__, which gathers dim 0
+    return ledger.calls
+
+
+def test_the_collectives_an_operator_issues_are_recorded_on_gloo_as_on_sim() -> None:
+    # On gloo a dispatch mode records the ledger; it must let ShardTensor's own
+    # __torch_dispatch__ run with the mode still entered, or its gather goes unseen.
+    sim = meshsim.run(_softmax_over_the_sharded_dim, 2)
+    gloo = meshsim.run(_softmax_over_the_sharded_dim, 2, backend="gloo")
+    assert [[call.op for call in calls] for calls in sim] == [["all_gather"]] * 2
+    assert gloo == sim
+
+
 @pytest.mark.world(4)
 def test_operands_on_different_meshes_are_refused(distributed_mesh, distributed_mesh_2d) -> None:
     x = Layout("1d-even", distributed_mesh, None).shard(torch.ones(8, 3))
