@@ -24,6 +24,18 @@ from .op_cases import Layout, replicated
 from .shardtensor_cases import global_tensor
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test compiles from an empty cache, reset here, before its ranks start.
+
+    Not in the rank bodies: gloo ranks run at once, and a reset in one rank while
+    another runs or compiles a graph frees what that rank is using (a segfault, or
+    garbage values). A function-scoped fixture that needs no per-rank value runs once
+    in the pytest process.
+    """
+    torch._dynamo.reset()
+
+
 def _mlp_loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (F.gelu(x @ w) ** 2).mean() + x.sum(-1).amax(-1).sum()
 
@@ -70,7 +82,6 @@ def test_aot_eager_matches_eager(distributed_mesh, distributed_mesh_2d, layout_i
     w = global_tensor((3, 3), torch.float32, layout.mesh.device_type)
     fn = FUNCTIONS[name]
     eager_value, eager_grad = _run(fn, x, w)
-    torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
     for _ in range(2):  # the second call runs the cached graph
         value, grad = _run(compiled, x, w)
@@ -86,7 +97,6 @@ def test_inductor_matches_eager(distributed_mesh, distributed_mesh_2d, layout_id
     x = layout.shard(layout.full(4, 3))
     w = global_tensor((3, 3), torch.float32, layout.mesh.device_type)
     eager_value, eager_grad = _run(_mlp_loss, x, w)
-    torch._dynamo.reset()
     compiled = torch.compile(_mlp_loss, backend="inductor", fullgraph=True, dynamic=False)
     value, grad = _run(compiled, x, w)
     torch.testing.assert_close(value, eager_value, rtol=1e-4, atol=1e-5)
@@ -104,7 +114,6 @@ def test_a_compiled_function_returns_shard_tensors(distributed_mesh, backend) ->
     def step(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tanh(t) * 3.0, t.sum(0)
 
-    torch._dynamo.reset()
     y, total = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)(x)
     assert isinstance(y, ShardTensor) and y._spec == x._spec
     assert isinstance(total, ShardTensor) and total.placements == (Partial("sum"),)
@@ -127,7 +136,6 @@ def test_a_replicated_weight_gets_its_pending_gradient_through_a_compiled_graph(
     def scale(w: torch.Tensor) -> torch.Tensor:
         return torch.sin(w) * 2.0
 
-    torch._dynamo.reset()
     compiled = torch.compile(scale, backend="aot_eager", fullgraph=True, dynamic=False)
     local = weight_full.clone().requires_grad_()
     weight = ShardTensor.from_local(local, distributed_mesh, [Replicate()])
@@ -151,7 +159,6 @@ def test_compiling_unbind_and_view_keeps_the_graph_whole(distributed_mesh) -> No
         a, b, c = torch.unbind(t, 1)
         return (a * 2 + b * b + c).view(-1).sum()
 
-    torch._dynamo.reset()
     loss = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=False)(x)
     loss.full_tensor().backward()
     reference = full.clone().requires_grad_()
