@@ -97,9 +97,17 @@ class _Model(torch.nn.Module):
 
 
 def _desynced(rank: int, device: str) -> _Model:
-    """The same model on every rank (a fixed seed), then offset by ``rank + 1``."""
-    torch.manual_seed(0)
-    model = _Model().to(device)
+    """The same model on every rank (a fixed seed), then offset by ``rank + 1``.
+
+    The seed is a generator's own: gloo thread ranks run at once and share torch's
+    global RNG, so a ``torch.manual_seed`` in each would interleave their draws.
+    """
+    generator = torch.Generator().manual_seed(0)
+    model = _Model()
+    with torch.no_grad():
+        for t in model.fc.parameters():  # the only randomly initialized tensors
+            t.copy_(torch.rand(t.shape, generator=generator))
+    model = model.to(device)
     with torch.no_grad():
         for t in (*model.parameters(), *model.buffers()):
             t.add_(rank + 1)
