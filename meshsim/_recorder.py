@@ -355,7 +355,7 @@ def _refusing_subclasses() -> tuple[type, ...]:
     FunctionalTensor (AOTAutograd) decline an op while their mode is entered or when
     another mode's type is present; were this mode to decline too, nobody would take
     the op and torch would raise. Their ops run here as on plain tensors. Private
-    module paths: checked on torch 2.13 (both classes live there since torch 2.1).
+    module paths: checked on torch 2.11, 2.13, 2.14 and 2.15.
     """
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
