@@ -19,7 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from meshsim import _findings
-from meshsim._collectives import Description
+from meshsim._collectives import Description, nbytes
 from meshsim._errors import CollectiveMismatchError, WorldAborted
 from meshsim._movement import Problem, culprits, surely_differ
 from meshsim._p2p import Mailbox
@@ -157,14 +157,18 @@ class Slot(Waitable):
         repeats: _findings.Repeats,
     ) -> None:
         first = calls[0]
-        per_rank = [p.contributed() for p in payloads]
+        mine = payloads[0].contributed()
         rule = kind.wasted
         # every rule needs the same bytes from every rank: two ranks that differ rule them all out
-        reason = rule(payloads) if rule is not None and not surely_differ(per_rank[0], per_rank[1]) else None
+        reason = None
+        if rule is not None and not surely_differ(mine, payloads[1].contributed()):
+            reason = rule(payloads)
         if reason is None:
             # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
+            if not mine or nbytes(mine) > _findings.REPEAT_LIMIT:
+                return  # only small calls are remembered (each rank's first is enough to tell)
             key = (kind, first.payload.api, first.signature)
-            reason = repeats.check(key, self.seq, per_rank)
+            reason = repeats.check(key, self.seq, [p.contributed() for p in payloads])
             if reason is None:
                 return
         self.wasted = reason
