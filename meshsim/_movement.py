@@ -114,14 +114,14 @@ _REDUCERS: dict[str, Callable[[Tensor], Tensor]] = {
 
 def all_gather_flat(inputs: Sequence[Tensor]) -> Tensor:
     """Every rank's input, flattened and concatenated in rank order."""
-    return torch.cat([t.reshape(-1) for t in inputs])
+    return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in inputs])  # flat inputs: the usual case
 
 
 def reduce_scatter_flat(
     inputs: Sequence[Tensor], op: str, factors: Sequence[float | Tensor] | None = None
 ) -> list[Tensor]:
     """Reduce the flattened inputs, then give rank ``r`` the ``r``-th equal chunk."""
-    total = reduce([t.reshape(-1) for t in inputs], op, factors)
+    total = reduce([t if t.dim() == 1 else t.reshape(-1) for t in inputs], op, factors)
     return list(total.chunk(len(inputs)))
 
 
