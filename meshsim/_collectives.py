@@ -253,10 +253,16 @@ _NOTHING = "every rank's input is empty (0 bytes): the call moves nothing"
 def _same_contribution(per_rank: Sequence[Sequence[Tensor]], who: str) -> str | None:
     if not _same_everywhere(per_rank):
         return None
-    if nbytes(per_rank[0]) == 0:  # the same shapes everywhere, all empty
+    return _contribution_reason(nbytes(per_rank[0]), who)
+
+
+# A program that wastes a call usually does so in a loop: its reasons are made once each.
+@functools.lru_cache(maxsize=256)
+def _contribution_reason(size: int, who: str) -> str:
+    if size == 0:  # the same shapes everywhere, all empty
         return _NOTHING
     return (
-        f"every rank contributed the same {_plural(nbytes(per_rank[0]), 'byte')}: "
+        f"every rank contributed the same {_plural(size, 'byte')}: "
         f"{who} could build the result from its own input"
     )
 
@@ -277,13 +283,18 @@ def _local_reduction(op: str, ranks: int) -> str | None:
 def _same_reduction(op: str, per_rank: Sequence[Sequence[Tensor]], who: str) -> str | None:
     if not _same_everywhere(per_rank):
         return None
-    if nbytes(per_rank[0]) == 0:  # the same shapes everywhere, all empty
+    return _reduction_reason(op, nbytes(per_rank[0]), len(per_rank), who)
+
+
+@functools.lru_cache(maxsize=256)
+def _reduction_reason(op: str, size: int, ranks: int, who: str) -> str | None:
+    if size == 0:  # the same shapes everywhere, all empty
         return _NOTHING
-    local = _local_reduction(op, len(per_rank))
+    local = _local_reduction(op, ranks)
     if local is None:
         return None
     return (
-        f"every rank's input is the same {_plural(nbytes(per_rank[0]), 'byte')}: the {op} is {local}, "
+        f"every rank's input is the same {_plural(size, 'byte')}: the {op} is {local}, "
         f"which {who} could compute locally"
     )
 

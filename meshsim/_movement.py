@@ -153,10 +153,8 @@ _PREFILTER = 4096  # elements: above this, a few leading elements are compared f
 def same_bytes(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` hold the same bytes: same dtype, shape and device, bitwise equal.
 
-    ``-0.0`` and ``0.0`` differ. Tensors holding a NaN are never the same (values are
-    compared first, and a NaN differs from itself): wasted-collective findings may miss
-    such a call, never flag one wrongly. Long tensors compare a few leading elements
-    before all of them.
+    ``-0.0`` and ``0.0`` differ; NaNs of the same bits are the same. Long tensors compare
+    a few leading elements before all of them.
     """
     return all_same_bytes((a, b))
 
@@ -165,7 +163,9 @@ def surely_differ(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
     """Whether two ranks' tensors surely hold different bytes, found with one comparison.
 
     False means "maybe the same" (several tensors, or equal values whose bits may differ):
-    :func:`all_same_bytes` decides.
+    :func:`all_same_bytes` decides. Values are compared (the cheaper check), so tensors
+    holding a NaN, which differs from itself, surely differ here even where their bits do
+    not: the findings then miss such a call, never flag one wrongly.
     """
     if len(a) != 1 or len(b) != 1:
         return len(a) != len(b)
@@ -181,34 +181,36 @@ def surely_differ(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
 def all_same_bytes(tensors: Sequence[Tensor]) -> bool:
     """Whether every tensor in ``tensors`` holds the bytes the first holds (as :func:`same_bytes`).
 
-    Values are compared first: different data, the common case, answers with one comparison
-    per tensor until the first difference; only equal floating point values are then
-    compared bit for bit.
+    Compared bit for bit (floating point tensors viewed as integers of their width), one
+    comparison per tensor; long tensors compare a few leading elements first.
     """
     first = tensors[0]
     dtype = first.dtype
-    head = first.reshape(-1)[:64] if first.numel() > _PREFILTER else None
     for other in tensors[1:]:
-        # torch.equal answers False for other shapes, but True across dtypes
-        if other.dtype != dtype:
+        if other.dtype != dtype:  # torch.equal compares values across dtypes
             return False
-        try:
-            if head is not None and not torch.equal(head, other.reshape(-1)[:64]):
+    bits = [_bits_of(t) for t in tensors]
+    mine = bits[0]
+    try:
+        if first.numel() > _PREFILTER:
+            head = mine.reshape(-1)[:64]
+            for other in bits[1:]:
+                if not torch.equal(head, other.reshape(-1)[:64]):
+                    return False
+        for other in bits[1:]:
+            if not torch.equal(mine, other):  # False for other shapes
                 return False
-            if not torch.equal(first, other):
-                return False
-        except RuntimeError:  # tensors on different devices
-            return False
-    if not (dtype.is_floating_point or dtype.is_complex):
-        return True  # integers and bools: equal values are equal bytes
-    return _same_bits(tensors)  # equal values; zeros may differ in sign
+    except RuntimeError:  # tensors on different devices
+        return False
+    return True
 
 
-def _same_bits(tensors: Sequence[Tensor]) -> bool:
-    """Bitwise equality of floating point tensors of equal values (-0.0 is not 0.0)."""
-    as_int = _INT_OF.get(tensors[0].dtype)
-    views = [_as_bits(t) if as_int is None else t.view(as_int) for t in tensors]
-    return all(torch.equal(views[0], v) for v in views[1:])
+def _bits_of(t: Tensor) -> Tensor:
+    """``t`` as integers of its width where it holds floating point numbers (-0.0 is not 0.0)."""
+    as_int = _INT_OF.get(t.dtype)
+    if as_int is not None:
+        return t.view(as_int)
+    return _as_bits(t)
 
 
 # the floating point dtypes' integers of the same width; complex goes through _as_bits

@@ -98,8 +98,8 @@ def test_equal_values_with_different_bits_are_not_the_same_bytes() -> None:
         dist.all_gather_into_tensor(torch.empty(WS), zero)
         one = torch.tensor([1.0])
         dist.all_gather_into_tensor(torch.empty(WS), one)
-        # the same bytes everywhere, but a NaN is not equal to itself: values are compared
-        # first, so a payload holding one is never flagged (missed, never flagged wrongly)
+        # the same bytes everywhere, but a NaN is not equal to itself: two ranks' values are
+        # compared first, so such a payload is missed (never flagged wrongly)
         nan = torch.tensor([float("nan")])
         dist.all_gather_into_tensor(torch.empty(WS), nan)
 
