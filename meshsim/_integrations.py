@@ -22,7 +22,9 @@ What a process owns once and a test may change inside a rank is per rank
 A module is never imported for this: a declaration is made when it is already
 loaded as a world starts, or as it finishes loading while a world runs (an import
 hook, installed only while worlds run). Ranks start from shallow copies of the
-caller's values (as after a fork; hook tables hold functions bound to live objects).
+caller's values (as after a fork; hook tables hold functions bound to live objects);
+empty hook tables and the warnings state start as one copy every rank shares until a
+rank changes it (see :class:`meshsim._perrank.WorldSlots`).
 """
 
 from __future__ import annotations
