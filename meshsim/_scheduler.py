@@ -366,7 +366,9 @@ class Scheduler:
             self._switch_in[rank]()
 
     def _pass_baton(self, rank: int) -> None:
-        if self._last_ran == rank and self._state[rank] != _DONE:
+        if self._last_ran == rank:
+            # a finished rank too: what it changed of the state ranks share (a filter, a hook
+            # registered on its way out) must stay its own, not reach the next rank
             self._switch_out[rank]()
         n = self.world_size
         for step in range(1, n + 1):

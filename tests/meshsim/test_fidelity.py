@@ -413,6 +413,21 @@ def test_a_filter_list_a_rank_saved_is_not_another_ranks(body: Any, expected: li
         assert warnings.filters is filters and warnings.filters == content
 
 
+def _rank_0_changes_shared_state_on_its_way_out() -> tuple[int, int]:
+    if dist.get_rank() == 0:  # no collective after these: the next rank runs once this one returns
+        warnings.simplefilter("error")
+        torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+        return (-1, -1)
+    return (_raises_on_a_warning(), len(torch.nn.modules.module._global_forward_hooks))
+
+
+def test_what_a_finishing_rank_changed_stays_its_own() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert meshsim.run(_rank_0_changes_shared_state_on_its_way_out, 3) == [(-1, -1), (0, 0), (0, 0)]
+    assert not torch.nn.modules.module._global_forward_hooks
+
+
 # -- D4: other torch.distributed globals a world leaves changed are reported ------------
 
 
