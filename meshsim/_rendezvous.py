@@ -166,7 +166,7 @@ class Slot(Waitable):
         if reason is None:
             # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
             if not mine or nbytes(mine) > _findings.REPEAT_LIMIT:
-                return  # only small calls are remembered (each rank's first is enough to tell)
+                return  # only small calls are remembered (rank 0's size rules out most; check() sees all)
             key = (kind, first.payload.api, first.signature)
             reason = repeats.check(key, self.seq, [p.contributed() for p in payloads])
             if reason is None:
