@@ -189,7 +189,7 @@ def all_same_bytes(tensors: Sequence[Tensor]) -> bool:
     for other in tensors[1:]:
         if other.dtype != dtype:  # torch.equal compares values across dtypes
             return False
-    bits = [_bits_of(t) for t in tensors]
+    bits = [_as_bits(t) for t in tensors]
     mine = bits[0]
     try:
         if first.numel() > _PREFILTER:
@@ -205,25 +205,12 @@ def all_same_bytes(tensors: Sequence[Tensor]) -> bool:
     return True
 
 
-def _bits_of(t: Tensor) -> Tensor:
-    """``t`` as integers of its width where it holds floating point numbers (-0.0 is not 0.0)."""
-    as_int = _INT_OF.get(t.dtype)
-    if as_int is not None:
-        return t.view(as_int)
-    return _as_bits(t)
-
-
-# the floating point dtypes' integers of the same width; complex goes through _as_bits
-_INT_OF = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-}
-
-
 def _as_bits(t: Tensor) -> Tensor:
-    """``t`` viewed as integers of the same width (any strides), for bitwise comparison."""
+    """``t`` viewed as integers of the same width (any strides), for bitwise comparison.
+
+    Floating point numbers become integers of their width (-0.0 is not 0.0), complex ones
+    pairs of them; other tensors are returned as they are.
+    """
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
     if t.dtype.is_floating_point:

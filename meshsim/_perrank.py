@@ -23,11 +23,13 @@ import operator
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 __all__ = ["PerRankState", "WorldSlots", "per_rank"]
 
 _ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
+
+Share = Literal["empty", "unchanged"] | None  # see _Slot
 
 
 class _Slot:
@@ -50,7 +52,7 @@ class _Slot:
         fresh: Callable[[], Any] | None,
         duplicate: Callable[[Any], Any] | None = None,
         after_set: Callable[[], None] | None = None,
-        share: str | None = None,
+        share: Share = None,
     ) -> None:
         self.owner = owner
         self.name = name
@@ -261,7 +263,7 @@ def declare(
     *,
     duplicate: Callable[[Any], Any] = copy_container,
     after_set: Callable[[], None] | None = None,
-    share: str | None = None,
+    share: Share = None,
 ) -> None:
     """Declare ``owner.name`` per rank for meshsim's own use (torch's and the stdlib's process state).
 
@@ -334,10 +336,9 @@ class WorldSlots:
         """
         self._shared = []
         for run in self._plan.runs:
-            first = tuple(self.ranks[0][run.start : run.stop]) if self.ranks else ()
-            if not self.ranks or not all(
-                all(map(operator.is_, values[run.start : run.stop], first)) for values in self.ranks[1:]
-            ):
+            rows = [values[run.start : run.stop] for values in self.ranks]  # none: no world started yet
+            first = tuple(rows[0]) if rows else ()
+            if not rows or not all(all(map(operator.is_, row, first)) for row in rows[1:]):
                 self._shared.append(None)
                 continue
             slots = self.slots[run.start : run.stop]
