@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim._findings import collecting
+from meshsim._observe.findings import collecting
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -24,7 +24,11 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _affinity, _backend, _doorbell, _perrank, _state
+from meshsim._engine import affinity as _affinity
+from meshsim._engine import doorbell as _doorbell
+from meshsim._process import perrank as _perrank
+from meshsim._process import state as _state
+from meshsim._sim import backend as _backend
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _collectives, _state
+from meshsim._process import state as _state
+from meshsim._sim import collectives as _collectives
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

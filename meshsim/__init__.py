@@ -3,12 +3,18 @@
 See the README for a guide; every name below is documented where it is defined.
 """
 
-from meshsim._errors import CollectiveMismatchError, DeadlockError, MeshError, RankError, StateLeakWarning
-from meshsim._ledger import Collective, Ledger, record
-from meshsim._perrank import per_rank
-from meshsim._snapshot import SnapshotMismatchError, check_snapshot
-from meshsim._threads import end_idle_threads
-from meshsim._world import run
+from meshsim._base.errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    MeshError,
+    RankError,
+    StateLeakWarning,
+)
+from meshsim._engine.threads import end_idle_threads
+from meshsim._engine.world import run
+from meshsim._observe.ledger import Collective, Ledger, record
+from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
+from meshsim._process.perrank import per_rank
 
 __all__ = [
     "Collective",

@@ -13,7 +13,7 @@ threads on real gloo (``gloo``), or processes (``spawn``); under ``torchrun ...
 --multigpu-static`` each process is one rank of a real NCCL (or gloo) job.
 
 The ``ledger_snapshot`` fixture pins a test's per-rank ledgers to
-``__snapshots__/<module>.ledger.json`` beside its module (:mod:`meshsim._snapshot`);
+``__snapshots__/<module>.ledger.json`` beside its module (:mod:`meshsim._observe.snapshot`);
 ``--mesh-snapshot-update`` rewrites them.
 
 The plugin imports torch lazily: collecting a project that never uses it costs nothing.
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from meshsim._modes import StaticSession
-    from meshsim._simjob import SimulatedJob
+    from meshsim._modes.torchrun import StaticSession
+    from meshsim._pytest.simjob import SimulatedJob
 
 BACKENDS = ("sim", "gloo", "spawn")
 _WORLD_PARAM = "_meshsim_world"
@@ -187,7 +187,7 @@ def _defined(parser: pytest.Parser, flag: str, dest: str) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """--multigpu-static --mesh-backend=spawn, no torchrun: start a pytest per rank, as torchrun would."""
-    from meshsim._modes import static_environment
+    from meshsim._modes.torchrun import static_environment
 
     if (
         not config.getoption("multigpu_static", default=False)
@@ -202,7 +202,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
             "--multigpu-static --mesh-backend=spawn starts one pytest process per rank; "
             "it is incompatible with -n (pytest-xdist): drop -n"
         )
-    from meshsim._launch import launch
+    from meshsim._modes.launch import launch
 
     size = config.getoption("world_size")
     print(
@@ -264,7 +264,7 @@ def _configure_trace(config: pytest.Config) -> None:
     folder = config.getoption("mesh_trace", None)
     if folder is None:
         return
-    from meshsim._modes import static_environment
+    from meshsim._modes.torchrun import static_environment
 
     backend = config.getoption("mesh_backend")
     torchrun = bool(config.getoption("multigpu_static", default=False)) and static_environment() is not None
@@ -302,7 +302,7 @@ def _unconfigure_findings(config: pytest.Config) -> None:
 
 
 def _configure_static(config: pytest.Config, state: _State) -> None:
-    from meshsim._modes import static_environment
+    from meshsim._modes.torchrun import static_environment
 
     env = static_environment()
     if env is None:
@@ -317,8 +317,8 @@ def _configure_static(config: pytest.Config, state: _State) -> None:
 
 
 def _configure_simulated(config: pytest.Config, state: _State) -> None:
-    """--multigpu-static without torchrun: one simulated job for the session (see meshsim._simjob)."""
-    from meshsim._simjob import SimulatedJob
+    """--multigpu-static without torchrun: one simulated job for the session (see meshsim._pytest.simjob)."""
+    from meshsim._pytest.simjob import SimulatedJob
 
     job = SimulatedJob(config, state.world_size, state.backend, state.timeout)
     job.start()
@@ -326,7 +326,7 @@ def _configure_simulated(config: pytest.Config, state: _State) -> None:
 
 
 def _configure_torchrun(config: pytest.Config, state: _State, env: dict[str, int]) -> None:
-    from meshsim._modes import StaticSession
+    from meshsim._modes.torchrun import StaticSession
 
     xml = getattr(config.option, "xmlpath", None)
     if xml and "{rank}" in xml:
@@ -488,8 +488,8 @@ def pytest_fixture_setup(
 
 def _on_ranks(state: _State, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
     """The placeholder for a fixture that runs on the ranks, or None for one that runs here."""
-    from meshsim._fixtures import PerRank, recipe
-    from meshsim._simjob import is_user_code
+    from meshsim._modes.fixtures import PerRank, recipe
+    from meshsim._pytest.simjob import is_user_code
 
     item = state.item
     if item is None or state.static is not None:
@@ -552,7 +552,7 @@ def _run_ranks(
     record: bool,
 ) -> list[Any]:
     """Run the body on the test's ranks in this pytest process's way; returns each rank's ledger (or None)."""
-    from meshsim._errors import RankError
+    from meshsim._base.errors import RankError
 
     if state.job is not None and item.get_closest_marker("world") is None:
         try:
@@ -562,11 +562,11 @@ def _run_ranks(
     backend = spec.backend or state.backend
     size = _size(item, spec)
     if backend == "spawn":
-        from meshsim._spawn import TestTarget, run_in_processes
+        from meshsim._modes.spawn import TestTarget, run_in_processes
 
         target = TestTarget(item.module.__name__, str(item.path), test.__qualname__)
         return run_in_processes(target, funcargs, size, timeout=state.timeout, record=record)
-    from meshsim._modes import run_on_threads
+    from meshsim._modes.thread_ranks import run_on_threads
 
     try:
         return run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout, record=record)
@@ -578,7 +578,7 @@ def _snapshot_check(item: pytest.Function, *, write: bool) -> Callable[[list[Any
     """For a test that uses ``ledger_snapshot``: what checks every rank's ledger against its file."""
     if "ledger_snapshot" not in item.fixturenames:
         return None
-    from meshsim._snapshot import SnapshotMismatchError, check_snapshot
+    from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
 
     path = _snapshot_file(item.path)
     key = item.nodeid.split("::", 1)[-1]  # the test id without its file: moving the file keeps it
@@ -604,7 +604,7 @@ def _snapshot_file(module: Path) -> Path:
 
 def _refuse_per_rank_values(item: pytest.Function) -> None:
     """A test that runs once cannot take a fixture whose value lives on ranks (set up for an earlier test)."""
-    from meshsim._fixtures import PerRank
+    from meshsim._modes.fixtures import PerRank
 
     names = [name for name, value in item.funcargs.items() if isinstance(value, PerRank)]
     if names:
@@ -623,8 +623,8 @@ def _decided(error: BaseException) -> BaseException:
     A skip or xfail is raised as the rank raised it (its traceback gives the
     location pytest reports); any other failure wins over them, noting who skipped.
     """
-    from meshsim._errors import RankError
-    from meshsim._outcomes import FAILED, kind_of
+    from meshsim._base.errors import RankError
+    from meshsim._engine.outcomes import FAILED, kind_of
 
     if not isinstance(error, RankError) or not error.failures:
         return error
@@ -643,7 +643,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     folder = item.config.stash.get(_TRACE_DIR, None)
     if folder is None:
         return (yield from _collect_findings(item))
-    from meshsim._trace import per_test
+    from meshsim._observe.trace import per_test
 
     with per_test(folder, item.nodeid):
         return (yield from _collect_findings(item))
@@ -653,7 +653,7 @@ def _collect_findings(item: pytest.Item) -> Generator[None, None, None]:
     mode = item.config.getoption("mesh_redundant", "report")
     if mode == "off":
         return (yield)
-    from meshsim._findings import collecting
+    from meshsim._observe.findings import collecting
 
     with collecting() as found:
         try:
@@ -729,8 +729,8 @@ def pytest_runtest_makereport(
 
 def _mesh_failure(error: BaseException) -> str | None:
     """The report for a meshsim error: the failing rank's own traceback or the per-rank table."""
-    from meshsim._errors import MeshError, RankError
-    from meshsim._snapshot import SnapshotMismatchError
+    from meshsim._base.errors import MeshError, RankError
+    from meshsim._observe.snapshot import SnapshotMismatchError
 
     notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", []))
     if isinstance(error, (RankError, SnapshotMismatchError)):
@@ -741,7 +741,7 @@ def _mesh_failure(error: BaseException) -> str | None:
 
 
 def _placeholder(request: pytest.FixtureRequest, name: str) -> Any:
-    from meshsim._fixtures import PLACEHOLDERS
+    from meshsim._modes.fixtures import PLACEHOLDERS
 
     state = request.config.stash[_STATE]
     if _spec(request.node) is None and state.static is None:

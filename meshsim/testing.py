@@ -29,6 +29,6 @@ Importing this module imports torch's ``torch.testing._internal.common_utils``
 
 from __future__ import annotations
 
-from meshsim._testcase import DTensorOpTestBase, DTensorTestBase, MultiThreadedTestCase, with_comms
+from meshsim._unittest.bases import DTensorOpTestBase, DTensorTestBase, MultiThreadedTestCase, with_comms
 
 __all__ = ["DTensorOpTestBase", "DTensorTestBase", "MultiThreadedTestCase", "with_comms"]

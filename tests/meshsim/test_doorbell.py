@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _doorbell, _threads, _world
-from meshsim._collectives import Barrier
-from meshsim._doorbell import Doorbell, EventBell, LockBell
-from meshsim._rendezvous import Call, Rendezvous
-from meshsim._scheduler import Scheduler
-from meshsim._store import SimStore
+from meshsim._engine import doorbell as _doorbell
+from meshsim._engine import threads as _threads
+from meshsim._engine import world as _world
+from meshsim._engine.doorbell import Doorbell, EventBell, LockBell
+from meshsim._engine.scheduler import Scheduler
+from meshsim._sim.collectives import Barrier
+from meshsim._sim.rendezvous import Call, Rendezvous
+from meshsim._sim.store import SimStore
 
 KINDS = [pytest.param(LockBell, id="lock")]
 if hasattr(os, "eventfd"):

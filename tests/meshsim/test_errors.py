@@ -306,7 +306,7 @@ def test_fn_must_be_callable() -> None:
 def test_backend_outside_a_world_says_so() -> None:
     import threading
 
-    from meshsim._backend import BACKEND_NAME, create_process_group
+    from meshsim._sim.backend import BACKEND_NAME, create_process_group
 
     errors: list[BaseException] = []
 
@@ -345,7 +345,7 @@ def test_interrupting_ranks_never_breaks_an_import(tmp_path: object, monkeypatch
     import traceback
     from pathlib import Path
 
-    from meshsim._interrupt import interrupt
+    from meshsim._engine.interrupt import interrupt
 
     folder = Path(str(tmp_path))
     (folder / "meshsim_blocking_import.py").write_text("import meshsim_gate\nmeshsim_gate.wait(30)\n")

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
 
 import meshsim
-from meshsim._findings import collecting
+from meshsim._observe.findings import collecting
 
 WS = 4
 

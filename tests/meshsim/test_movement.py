@@ -1,5 +1,5 @@
-"""The pure parts of a collective, without a world: what moves (meshsim._movement) and each
-description's execution, ledger traffic, signature and cross-rank checks (meshsim._collectives).
+"""The pure parts of a collective, without a world: what moves (meshsim._sim.movement) and each
+description's execution, ledger traffic, signature and cross-rank checks (meshsim._sim.collectives).
 
 Entry ``r`` of every list is group rank ``r``'s; expected values are written out by hand.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshsim import _collectives as co
-from meshsim import _movement as mv
+from meshsim._sim import collectives as co
+from meshsim._sim import movement as mv
 
 # -- reduce -------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshsim._backend import reduce_op_names_by_hash, reduce_op_of
+from meshsim._sim.backend import reduce_op_names_by_hash, reduce_op_of
 
 
 def _fresh_options(op: Any) -> Any:

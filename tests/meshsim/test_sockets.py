@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import meshsim
-from meshsim._loopback import loopback_environment, loopback_interface, loopback_store
+from meshsim._process.loopback import loopback_environment, loopback_interface, loopback_store
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),

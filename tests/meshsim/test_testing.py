@@ -37,7 +37,7 @@ def outcome(result: unittest.TestResult) -> tuple[int, int, int, int]:
 def test_exports() -> None:
     assert sorted(meshsim.testing.__all__) == meshsim.testing.__all__
     for name in meshsim.testing.__all__:
-        assert getattr(meshsim.testing, name).__module__ == "meshsim._testcase"
+        assert getattr(meshsim.testing, name).__module__ == "meshsim._unittest.bases"
     assert "testing" not in meshsim.__all__
 
 

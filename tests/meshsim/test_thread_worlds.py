@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import meshsim
-from meshsim._backend import BACKEND_NAME
+from meshsim._sim.backend import BACKEND_NAME
 
 
 def _c10d_state() -> dict[str, Any]:

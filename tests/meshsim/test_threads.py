@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim import _threads
+from meshsim._engine import threads as _threads
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 
@@ -205,7 +205,7 @@ _FORK_CHILD = """
 import os
 import torch.distributed as dist
 import meshsim
-from meshsim import _threads
+from meshsim._engine import threads as _threads
 
 meshsim.run(lambda: None, 2)
 assert _threads.idle_count() == 2

@@ -1,0 +1,41 @@
+"""What a rank blocks on: a :class:`Waitable` that whoever completes it marks done.
+
+The scheduler (:mod:`meshsim._engine.scheduler`) blocks and wakes ranks; the
+backend's meeting points (collectives, receives, store waits) and a session's
+board between calls are Waitables, so the layer that blocks ranks needs nothing
+of the layers that make them wait.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Waitable"]
+
+
+class Waitable:
+    """Something ranks block on; whoever completes it calls :meth:`Scheduler.wake`.
+
+    Attributes:
+        done: set once the wait is over (successfully or with ``error``).
+        error: raised in every waiter when set.
+        idle: a rank waiting here has nothing to do until its world gives it more
+            (a session's next job): not a deadlock, and not subject to the timeout.
+    """
+
+    idle = False
+
+    def __init__(self) -> None:
+        self.done = False
+        self.error: BaseException | None = None
+        self.waiters: list[int] = []
+
+    def describe(self, rank: int) -> str:
+        """What global ``rank``, blocked here, is waiting in, for error messages."""
+        raise NotImplementedError
+
+    def missing(self) -> tuple[int, ...]:
+        """The global ranks this wait is waiting for."""
+        raise NotImplementedError
+
+    def stalled(self) -> BaseException | None:
+        """A better diagnosis than 'deadlock' when the world stalls here (e.g. a mismatch)."""
+        return None

@@ -1,0 +1,1 @@
+"""One world of rank threads: its life (start, call, close), the baton scheduler, threads, doorbells."""

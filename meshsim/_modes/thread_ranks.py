@@ -1,0 +1,48 @@
+"""Thread ranks: a test body on simulated (sim) or real gloo ranks, each a thread of this process.
+
+The mode takes the test function, its (partly per-rank) arguments and a world
+size, and either returns normally or raises what the failing rank raised. The
+pytest plugin picks the mode; the modes know nothing about pytest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from meshsim._engine.world import run
+from meshsim._modes.fixtures import RankFixtures, resolve
+from meshsim._observe.ledger import Ledger
+
+__all__ = ["TestFunction", "run_on_threads"]
+
+TestFunction = Callable[..., object]
+
+
+def _body(test: TestFunction, funcargs: dict[str, Any], record: bool) -> Ledger | None:
+    fixtures = RankFixtures()
+    if record:
+        fixtures.open_ledger()
+    kwargs = resolve(funcargs, fixtures)
+    with fixtures.recording():
+        test(**kwargs)
+    fixtures.finish()  # the user fixtures built on this rank: the world ends with the test
+    return fixtures.ledger
+
+
+def run_on_threads(
+    test: TestFunction,
+    funcargs: dict[str, Any],
+    world_size: int,
+    *,
+    backend: str,
+    timeout: float,
+    record: bool = False,
+) -> list[Ledger | None]:
+    """Run the test body on ``world_size`` thread ranks (``backend`` "sim" or "gloo").
+
+    Returns:
+        each rank's ledger of the body, rank 0's first: recorded when ``record`` is
+        true or the test asked for its ``ledger``, else None.
+    """
+    return run(_body, world_size, args=(test, funcargs, record), backend=backend, timeout=timeout)

@@ -1,0 +1,1 @@
+"""Observers: the ledger, the dispatch recorder, findings, traces, snapshots, call sites."""

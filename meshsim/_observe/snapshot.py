@@ -1,0 +1,291 @@
+"""Ledger snapshots: pin every rank's collectives to a reviewable file, and compare later runs with it.
+
+A snapshot file is JSON, one per test module in the pytest plugin
+(``__snapshots__/test_x.ledger.json`` beside it). Under ``"tests"`` it holds one
+entry per key (a test id), and in it one list per rank, named ``"rank R of N"``,
+of one line per collective::
+
+    "all_gather all_gather_into_tensor [0,1] float32 in=64 out=128"
+    "all_reduce all_reduce [0,1] float32 in=32 out=32 SUM"
+    "send send [0,1] float32 in=16 out=0 peer=1"
+
+that is: op, api, group (global ranks), dtype, bytes in and out, then the reduce
+op and the peer (the other end of a send or recv, or a rooted collective's root)
+where the call has them. ``seq`` is implied by the order, and the call site is left
+out so that edits elsewhere in the test's file do not change the snapshot. Each
+world size has its own ranks, so a ``multigpu_static`` test run on 2 and on 4
+ranks keeps both. Test ids (in natural order) and ranks are sorted, and nothing
+is aligned: a changed call is a one-line change in review.
+
+Writers lock the folder (``flock``, where the platform has it) and replace the file
+atomically, so ``pytest -n auto`` workers may write different keys of one file at
+once and readers never see half a file.
+
+Non-goals: entries of tests that no longer exist are kept (delete them by hand, or
+delete the file and rerun); the file is not a ledger (no ``seq``, ``site``, and
+bytes are exact integers, not the table's rounded units).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from meshsim._observe.ledger import Collective, Ledger
+
+__all__ = ["SnapshotMismatchError", "check_snapshot", "snapshot_lines"]
+
+VERSION = 1
+_ABOUT = (
+    "meshsim ledger snapshots: per test id and rank, one line per collective: op api group dtype "
+    "in=bytes out=bytes [reduce op] [peer=global rank]. Rewritten by pytest --mesh-snapshot-update."
+)
+_LOCK_TIMEOUT = 60.0  # seconds a writer waits for another one to finish with the file
+
+Outcome = Literal["created", "matched", "updated"]
+
+
+class SnapshotMismatchError(AssertionError):
+    """The collectives of a run differ from the stored snapshot; the message has a diff per rank.
+
+    Attributes:
+        path: the snapshot file.
+        key: the entry that differs (a test id).
+        ranks: the ranks whose collectives differ, in order.
+    """
+
+    def __init__(self, path: Path, key: str, world_size: int, diffs: Mapping[int, str]) -> None:
+        self.path = path
+        self.key = key
+        self.ranks = tuple(sorted(diffs))
+        super().__init__(_mismatch_message(path, key, world_size, diffs))
+
+
+def snapshot_line(call: Collective) -> str:
+    """One call as its snapshot stores it: ``op api [group] dtype in=N out=N [REDUCE] [peer=R]``."""
+    parts = [call.op, call.api, f"[{','.join(map(str, call.group))}]"]
+    if call.dtype is not None:
+        parts.append(str(call.dtype).removeprefix("torch."))
+    parts += [f"in={call.bytes_in}", f"out={call.bytes_out}"]
+    if call.reduce_op is not None:
+        parts.append(call.reduce_op)
+    if call.peer is not None:
+        parts.append(f"peer={call.peer}")
+    return " ".join(parts)
+
+
+def snapshot_lines(ledger: Ledger) -> list[str]:
+    """A ledger as its snapshot stores it: one line per call (see :func:`snapshot_line`)."""
+    return [snapshot_line(call) for call in ledger.calls]
+
+
+def check_snapshot(
+    path: str | os.PathLike[str],
+    key: str,
+    ledgers: Sequence[Ledger],
+    *,
+    update: bool = False,
+    write: bool = True,
+) -> Outcome:
+    """Compare every rank's ledger with the snapshot stored under ``key``; store it if there is none.
+
+    Args:
+        path: the snapshot file; it and its folder are created when missing.
+        key: the entry's name in the file, e.g. a test id.
+        ledgers: every rank's ledger, rank 0's first (what :func:`meshsim.run` returns
+            when each rank returns its :func:`meshsim.record` ledger).
+
+    Keyword args:
+        update: store these ledgers in place of the entry instead of comparing.
+        write: False to never write the file (the ranks of a job that share one
+            file, but one); outcomes are then what writing would have done.
+
+    Returns:
+        ``"created"`` when the file had no entry for this key and number of ranks (now
+        stored), ``"updated"`` when ``update`` replaced an entry that differed, else
+        ``"matched"``. The file is only written when it changes.
+
+    Raises:
+        SnapshotMismatchError: without ``update``, some rank's collectives differ from
+            the entry; the message has a unified diff per rank.
+        ValueError: ``ledgers`` is empty, or ``path`` is not a snapshot file (a merge
+            conflict, say); the message names it.
+        TimeoutError: another writer held the file for a minute.
+    """
+    if not ledgers:
+        raise ValueError(f"check_snapshot({key!r}) needs one ledger per rank, got none")
+    path = Path(path)
+    runs = {_rank_key(rank, len(ledgers)): snapshot_lines(ledger) for rank, ledger in enumerate(ledgers)}
+    stored = _entry(_load(path), key)
+    mine = {name: stored[name] for name in runs if name in stored}
+    if mine == runs:
+        return "matched"
+    if mine and not update:
+        diffs = {rank: _diff(mine.get(name), lines) for rank, (name, lines) in enumerate(runs.items())}
+        raise SnapshotMismatchError(path, key, len(ledgers), {r: d for r, d in diffs.items() if d})
+    if write:
+        _store(path, key, runs)
+    return "updated" if mine else "created"
+
+
+def _rank_key(rank: int, world_size: int) -> str:
+    return f"rank {rank} of {world_size}"
+
+
+def _rank_order(name: str) -> tuple[int, int]:
+    """``"rank R of N"`` sorts by N, then R; anything else (a hand edit) after them."""
+    words = name.split()
+    if len(words) == 4 and words[1].isdigit() and words[3].isdigit():
+        return int(words[3]), int(words[1])
+    return (1 << 62, 0)
+
+
+def _id_order(key: str) -> list[Any]:
+    """Test ids in natural order: ``test[2]`` before ``test[10]``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def _diff(stored: list[str] | None, lines: list[str]) -> str:
+    """A unified diff from the stored lines to this run's, or "" when they are equal."""
+    if stored == lines:
+        return ""
+    before = "stored" if stored is not None else "stored (no entry for this rank)"
+    diff = difflib.unified_diff(stored or [], lines, before, "this run", lineterm="")
+    return "\n".join(diff)
+
+
+def _mismatch_message(path: Path, key: str, world_size: int, diffs: Mapping[int, str]) -> str:
+    ranks = sorted(diffs)
+    which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    lines = [
+        f"the collectives of {key} on {which} (of {world_size}) differ from its ledger snapshot "
+        f"in {_shown(path)}:"
+    ]
+    first_with: dict[str, int] = {}
+    for rank in ranks:
+        same = first_with.setdefault(diffs[rank], rank)
+        if same != rank:
+            lines.append(f"rank {rank}: the same difference as rank {same}")
+            continue
+        lines.append(f"rank {rank}:")
+        lines += [f"  {line}" for line in diffs[rank].splitlines()]
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it, for messages."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+# -- the file -------------------------------------------------------------------
+
+
+def _entry(document: dict[str, Any], key: str) -> dict[str, list[str]]:
+    entry: dict[str, list[str]] = document["tests"].get(key, {})
+    return entry
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """The file's contents (an empty document when it does not exist).
+
+    Raises:
+        ValueError: it is not a snapshot file of this version.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {"tests": {}}
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{_shown(path)} is not a ledger snapshot file: not JSON ({error}). Resolve the merge "
+            "conflict, or delete it and rerun to write it afresh."
+        ) from None
+    if not _valid(document):
+        raise ValueError(
+            f"{_shown(path)} is not a ledger snapshot file of version {VERSION}: expected "
+            '{"version": 1, "tests": {test id: {"rank R of N": [line, ...]}}}. '
+            "Delete it and rerun to write it afresh."
+        )
+    return document  # type: ignore[no-any-return]
+
+
+def _valid(document: object) -> bool:
+    if not isinstance(document, dict) or document.get("version") != VERSION:
+        return False
+    tests = document.get("tests")
+    if not isinstance(tests, dict):
+        return False
+    return all(
+        isinstance(entry, dict)
+        and all(
+            isinstance(lines, list) and all(isinstance(x, str) for x in lines) for lines in entry.values()
+        )
+        for entry in tests.values()
+    )
+
+
+def _store(path: Path, key: str, runs: dict[str, list[str]]) -> None:
+    """Replace this run's ranks of entry ``key`` (other world sizes' stay), under the folder's lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent):
+        tests = _load(path)["tests"]  # again: another writer may have added keys since
+        entry = {**tests.get(key, {}), **runs}
+        tests[key] = {name: entry[name] for name in sorted(entry, key=_rank_order)}
+        ordered = {k: tests[k] for k in sorted(tests, key=_id_order)}
+        text = json.dumps(
+            {"about": _ABOUT, "version": VERSION, "tests": ordered}, indent=2, ensure_ascii=False
+        )
+        _replace(path, text + "\n")
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` atomically: readers see the old file or the new one, never half of one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` (no lock file to leave behind); a no-op without fcntl.
+
+    Raises:
+        TimeoutError: another process held it for ``_LOCK_TIMEOUT`` seconds.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: writers of one file may race
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + _LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held the lock on {_shown(folder)} for {_LOCK_TIMEOUT:g} s; "
+                        "is a pytest run stuck?"
+                    ) from None
+                time.sleep(0.01)
+        yield  # closing the descriptor releases the lock
+    finally:
+        os.close(fd)

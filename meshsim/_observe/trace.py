@@ -1,0 +1,219 @@
+"""A simulated world as a timeline: Chrome trace-event JSON, which Perfetto's UI and chrome://tracing open.
+
+One track (thread) per rank. On it, a slice for the rank's function from start to
+end and, inside it, one slice per collective from the rank's arrival to its
+release, with the call's op, api, group, bytes, site and, when the call was wasted,
+the reason (:mod:`meshsim._observe.findings`). For every collective, a flow arrow runs
+from each rank that waited to the last rank to arrive: the one it waited for. A
+rank that raised gets an instant event with the error at the moment it failed; a
+world that failed otherwise (a timeout) gets one on the process.
+
+Times are the simulation's wall clock, in microseconds from the world's start.
+Simulated ranks take turns on one CPU, so a slice shows order and waiting, not what
+the call would take on a GPU.
+
+Who writes where: ``meshsim.run(..., trace="world.json")`` names the file; the
+pytest plugin's ``--mesh-trace=DIR`` names one per test (:func:`per_test`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshsim._base.errors import WorldAborted
+
+if TYPE_CHECKING:
+    from meshsim._sim.rendezvous import Call, GroupState, Slot
+
+__all__ = ["Tracer", "checked_path", "per_test", "target"]
+
+_PID = 1  # one process: the world
+
+
+class Tracer:
+    """The events of one world, appended by its rank threads as they go."""
+
+    def __init__(self, path: Path, world_size: int, name: str) -> None:
+        self.path = path
+        self._start = time.perf_counter_ns()
+        self._flows = itertools.count(1)
+        self.failed = False  # an error event was added
+        self.events: list[dict[str, Any]] = [
+            _meta("process_name", None, {"name": f"meshsim world: {name} on {world_size} ranks"}),
+        ]
+        for rank in range(world_size):
+            self.events.append(_meta("thread_name", rank, {"name": f"rank {rank}"}))
+            self.events.append(_meta("thread_sort_index", rank, {"sort_index": rank}))
+
+    def now(self) -> float:
+        """Microseconds since the world started."""
+        return (time.perf_counter_ns() - self._start) / 1000
+
+    def rank_function(self, rank: int, name: str, start: float, outcome: str) -> None:
+        """The rank's function, from its start to now."""
+        self.events.append(
+            {
+                "name": name,
+                "cat": "rank",
+                "ph": "X",
+                "ts": start,
+                "dur": self.now() - start,
+                "pid": _PID,
+                "tid": rank,
+                "args": {"outcome": outcome},
+            }
+        )
+
+    def collective(
+        self,
+        rank: int,
+        group: GroupState,
+        call: Call,
+        slot: Slot | None,
+        error: BaseException | None = None,
+    ) -> None:
+        """``call`` on ``rank``, from its arrival (``call.arrived``) to now; ``slot`` once complete."""
+        released = self.now()
+        payload = call.payload
+        _, bytes_in, bytes_out = payload.traffic(call.group_rank)
+        args: dict[str, Any] = {
+            "op": payload.op,
+            "api": payload.api,
+            "call": call.text,
+            "group": list(group.ranks),
+            "bytes in": bytes_in,
+            "bytes out": bytes_out,
+            "site": call.site,
+        }
+        if payload.reduce_op is not None:
+            args["reduce op"] = payload.reduce_op
+        event: dict[str, Any] = {
+            "name": payload.api,
+            "cat": "collective",
+            "ph": "X",
+            "ts": call.arrived,
+            "dur": released - call.arrived,
+            "pid": _PID,
+            "tid": rank,
+            "args": args,
+        }
+        if isinstance(error, WorldAborted):
+            args["error"] = "stopped: the world failed (see its error event)"
+        elif error is not None:
+            args["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+        if slot is not None:
+            last = slot.last
+            assert last is not None  # the slot completed
+            last_rank = group.ranks[last.group_rank]
+            args["last to arrive"] = last_rank
+            if slot.wasted is not None:
+                args["redundant"] = slot.wasted
+                event["cname"] = "terrible"  # chrome://tracing's red; Perfetto colours by name
+            if last is not call:
+                args["waited for"] = f"rank {last_rank}, {last.arrived - call.arrived:.1f} us"
+                self._flow(rank, call.arrived, last_rank, last.arrived, payload.api)
+        self.events.append(event)
+
+    def _flow(self, waiter: int, since: float, last: int, arrived: float, name: str) -> None:
+        """An arrow from ``waiter``'s slice (at its arrival) to the last arriver's (at its arrival)."""
+        flow = next(self._flows)
+        common = {"name": f"{name}: waits for the last rank", "cat": "wait", "id": flow, "pid": _PID}
+        self.events.append({**common, "ph": "s", "ts": since, "tid": waiter})
+        self.events.append({**common, "ph": "f", "bp": "e", "ts": arrived, "tid": last})
+
+    def error(self, rank: int | None, exc: BaseException) -> None:
+        """``exc`` at this moment, on ``rank``'s track (or the process's when None)."""
+        self.failed = True
+        text = f"{type(exc).__name__}: {exc}"
+        event: dict[str, Any] = {
+            "name": f"error: {type(exc).__name__}",
+            "cat": "error",
+            "ph": "i",
+            "ts": self.now(),
+            "pid": _PID,
+            "s": "t" if rank is not None else "p",
+            "args": {"error": text},
+        }
+        if rank is not None:
+            event["tid"] = rank
+        self.events.append(event)
+
+    def write(self) -> None:
+        """Write the trace; a file that cannot be written is a warning, not the world's failure."""
+        document = {
+            "displayTimeUnit": "ms",
+            "otherData": {"meshsim": "simulated ranks; times are the simulation's wall clock (us)"},
+            "traceEvents": self.events,
+        }
+        try:
+            self.path.write_text(json.dumps(document, default=str))
+        except OSError as exc:
+            warnings.warn(
+                f"meshsim could not write the trace {self.path}: {exc}", RuntimeWarning, stacklevel=2
+            )
+
+
+def _meta(name: str, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    event: dict[str, Any] = {"name": name, "ph": "M", "pid": _PID, "args": args}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def checked_path(trace: object) -> Path:
+    """``trace`` as a path whose folder exists, or a clear error."""
+    if not isinstance(trace, (str, os.PathLike)):
+        raise TypeError(f"trace must be a file path (str or os.PathLike) or None, got {trace!r}")
+    path = Path(trace)
+    if not path.parent.is_dir():
+        raise ValueError(f"trace={str(trace)!r}: the folder {str(path.parent)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"trace={str(trace)!r} is a folder; give the trace file's path")
+    return path
+
+
+# -- one file per test (pytest --mesh-trace=DIR) --------------------------------------------
+
+_lock = threading.Lock()
+_test: list[tuple[Path, str, itertools.count[int]]] = []  # the test running now, if any
+
+
+@contextmanager
+def per_test(folder: Path, test_id: str) -> Iterator[None]:
+    """Worlds started while the block runs write ``folder/<test id>.json`` (then ``-2``, ``-3``...)."""
+    entry = (folder, _file_name(test_id), itertools.count(1))
+    with _lock:
+        _test.append(entry)
+    try:
+        yield
+    finally:
+        with _lock:
+            _test.remove(entry)
+
+
+def target(trace: object) -> Path | None:
+    """Where a world's trace goes: ``trace`` when given, else the running test's next file."""
+    if trace is not None:
+        return checked_path(trace)
+    with _lock:
+        if not _test:
+            return None
+        folder, stem, worlds = _test[-1]
+        n = next(worlds)
+    return folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+
+
+def _file_name(test_id: str) -> str:
+    """A test id as a file name: path separators and brackets become safe characters."""
+    name = re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", test_id.replace("::", "."))
+    return name.strip("_.")[:200] or "test"

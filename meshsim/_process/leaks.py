@@ -1,0 +1,99 @@
+"""torch.distributed module globals that a world leaves changed: found and reported.
+
+A flag a rank sets is that rank's process's under torchrun, and gone with it. The
+flags meshsim knows are per rank (:mod:`meshsim._process.integrations`); any other
+simple module global of ``torch.distributed`` (a bool, number, string or None),
+memos of facts about the installation aside (``_MEMOS``),
+that differs after a world from what it was before is reported with a
+:class:`meshsim.StateLeakWarning`, naming it and both values, so that a test
+that passes or fails by test order shows why.
+
+Only modules loaded when the world starts are watched; the list of names is kept
+and grows as modules load, so a world pays for two passes over about a hundred
+values.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from meshsim._base import MESHSIM_DIR
+from meshsim._base.errors import StateLeakWarning
+
+__all__ = ["Watch"]
+
+_PREFIX = "torch.distributed"
+_SIMPLE = (bool, int, float, str, type(None))
+_ABSENT: Any = object()
+# Memos torch fills on first use with a fact about the installation, the same in every
+# process: whichever world fills one leaves the value a rank's own process would compute.
+_MEMOS = frozenset({("torch.distributed", "_spmd_types_available")})  # torch 2.14+
+
+
+class _Names:
+    """The simple globals of loaded torch.distributed modules, found once per module."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[str, dict[str, Any], str]] = []  # (module, its namespace, global)
+        self._modules: set[str] = set()
+        self._seen = 0  # len(sys.modules) at the last look
+
+    def refresh(self) -> None:
+        if len(sys.modules) == self._seen:
+            return
+        self._seen = len(sys.modules)
+        for name, module in list(sys.modules.items()):
+            if module is None or name in self._modules or not name.startswith(_PREFIX):
+                continue
+            self._modules.add(name)
+            namespace = vars(module)
+            self.keys += [
+                (name, namespace, key)
+                for key, value in namespace.items()
+                # type(), not isinstance: torch.distributed.reduce_op warns when asked its class
+                if not key.startswith("__") and type(value) in _SIMPLE and (name, key) not in _MEMOS
+            ]
+
+
+_NAMES = _Names()
+
+
+class Watch:
+    """The watched globals' values as a world starts; :meth:`report` warns about those it changed."""
+
+    def __init__(self) -> None:
+        _NAMES.refresh()
+        self._keys = _NAMES.keys
+        self._before = [namespace.get(key, _ABSENT) for _, namespace, key in self._keys]
+
+    def report(self) -> None:
+        changed = [
+            (module, key, before, namespace.get(key, _ABSENT))
+            for (module, namespace, key), before in zip(self._keys, self._before)
+            if namespace.get(key, _ABSENT) is not before
+        ]
+        if not changed:
+            return
+        lines = [f"  {module}.{key}: {_show(old)} -> {_show(new)}" for module, key, old, new in changed]
+        warnings.warn(
+            StateLeakWarning(
+                "the world left torch.distributed module globals changed, which a rank's own "
+                "process would have taken with it:\n" + "\n".join(lines) + "\nSet them back in "
+                "the rank, or declare them per rank: meshsim.per_rank(module, name)."
+            ),
+            stacklevel=_caller_depth(),
+        )
+
+
+def _caller_depth() -> int:
+    """The ``stacklevel`` of the first frame outside meshsim (whoever ran the world)."""
+    frame, depth = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(MESHSIM_DIR):
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else repr(value)

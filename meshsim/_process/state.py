@@ -1,0 +1,279 @@
+"""Process-global state: what a world must hand back untouched, and what each rank owns.
+
+Real ranks are separate processes: each has its own RNG, environment and
+default dtype. Rank threads share one process, so with cooperative scheduling
+the world swaps these per rank at every hand-over (:class:`RankState`), and
+puts the caller's values back when the world ends (:class:`ProcessState`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd import forward_ad
+
+from meshsim._process import rng as _rng
+from meshsim._process.perrank import WorldSlots
+
+__all__ = ["ProcessState", "RankState"]
+
+# Without CUDA in the build there is no CUDA RNG to swap: spares a check at every hand-over.
+_CUDA_BUILT = bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
+
+
+def _cuda_rng() -> list[torch.Tensor] | None:
+    if _CUDA_BUILT and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return torch.cuda.get_rng_state_all()
+    return None
+
+
+@dataclass
+class RankState:
+    """The per-process state of one simulated rank while it does not run."""
+
+    rank: int
+    world_size: int
+    rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    default_dtype: torch.dtype
+    rank_env: tuple[tuple[str, str], ...] = ()  # RANK, LOCAL_RANK
+    slots: WorldSlots | None = None  # the values declared per rank (meshsim.per_rank): every rank's
+
+    @classmethod
+    def fresh(cls, world_size: int, caller: ProcessState) -> list[RankState]:
+        """Every rank's starting state: the caller's RNG and dtype (as captured), as after a fork."""
+        rng, cuda_rng, dtype = caller.rng, caller.cuda_rng, caller.default_dtype
+        slots = caller.slots
+        slots.start(world_size)
+        env = _rank_env
+        return [cls(rank, world_size, rng, cuda_rng, dtype, env(rank), slots) for rank in range(world_size)]
+
+    def save(self) -> None:
+        """Remember the process's current values as this rank's (runs at every hand-over)."""
+        self.rng = torch.default_generator.get_state()
+        if self.cuda_rng is not None or (_CUDA_BUILT and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+            self.cuda_rng = _cuda_rng()
+        self.default_dtype = torch.get_default_dtype()
+        if self.slots is not None:
+            self.slots.save(self.rank)
+
+    def load(self) -> None:
+        """Make this rank's values the process's current ones (runs at every hand-over)."""
+        torch.default_generator.set_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+        _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
+        if self.slots is not None:
+            self.slots.load(self.rank)
+
+    def load_world_env(self) -> None:
+        """Set the environment every rank shares (once, before any rank runs).
+
+        As torchrun sets it: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, and ``MASTER_ADDR`` /
+        ``MASTER_PORT`` where the caller has none (code written for torchrun reads them
+        before its ``init_process_group``, which a rank adopts).
+        """
+        _set_environ(_world_env(self.world_size))
+        if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
+            _set_environ(_MASTER_ENV)
+
+
+@dataclass
+class ProcessState:
+    """The caller's process-global state, captured before a world and restored after it."""
+
+    excepthook: Any
+    threading_excepthook: Any
+    rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    py_random: Any
+    num_threads: int
+    deterministic: tuple[bool, bool]
+    default_dtype: torch.dtype
+    environ: dict[Any, Any]
+    forward_ad_level: int
+    slots: WorldSlots
+    numpy_rng: Any = None  # a fingerprint of NumPy's global RNG (None: NumPy not loaded)
+
+    @classmethod
+    def capture(cls, slots: WorldSlots | None = None) -> ProcessState:
+        """The caller's state now; ``slots``: a session's, whose caller values are taken anew."""
+        if slots is None:
+            slots = WorldSlots()
+        else:
+            slots.recapture()
+        return cls(
+            sys.excepthook,
+            threading.excepthook,
+            torch.get_rng_state(),
+            _cuda_rng(),
+            random.getstate(),
+            torch.get_num_threads(),
+            _deterministic(),
+            torch.get_default_dtype(),
+            _environ_snapshot(),
+            _forward_ad_level(),
+            slots,
+            _rng.numpy_fingerprint(),
+        )
+
+    def restore(self) -> None:
+        self.slots.restore_caller()
+        # init_process_group wraps sys.excepthook on every call and never unwraps it;
+        # hundreds of worlds would nest it past the recursion limit.
+        sys.excepthook = self.excepthook
+        threading.excepthook = self.threading_excepthook
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_random)
+        # A rank thread's set_num_threads also changes the default of threads
+        # created later in the process; setting it here restores both.
+        torch.set_num_threads(self.num_threads)
+        if self.deterministic != _deterministic():
+            enabled, warn_only = self.deterministic
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+        _restore_environ(self.environ)
+        # dual levels a rank entered and never exited (the level is process-wide)
+        while _forward_ad_level() > self.forward_ad_level:
+            forward_ad.exit_dual_level()  # type: ignore[no-untyped-call]
+
+    def hand_to_ranks(self, previous: ProcessState, states: list[RankState]) -> bool:
+        """Give every rank what the caller changed since ``previous`` was put back.
+
+        Between a session's calls the pytest process runs function-scoped fixtures;
+        what they do to per-process state (seed the RNGs, set the default dtype),
+        torchrun would have done in every process: each rank takes it. Declared
+        per-rank values are handed on by :meth:`WorldSlots.recapture`.
+
+        Returns:
+            whether Python's or NumPy's global RNG changed: each rank then draws
+            afresh from it (see :func:`meshsim._process.rng.enter_rank`).
+        """
+        rng = not torch.equal(self.rng, previous.rng)
+        cuda = self.cuda_rng is not None and (
+            previous.cuda_rng is None
+            or any(not torch.equal(a, b) for a, b in zip(self.cuda_rng, previous.cuda_rng))
+        )
+        for state in states:
+            if rng:
+                state.rng = self.rng
+            if cuda:
+                state.cuda_rng = self.cuda_rng
+            if self.default_dtype != previous.default_dtype:
+                state.default_dtype = self.default_dtype
+        return bool(self.py_random != previous.py_random or self.numpy_rng != previous.numpy_rng)
+
+
+def environ_changes(since: dict[Any, Any]) -> dict[str, str | None]:
+    """The variables set (value) or removed (None) since the ``since`` snapshot, but the ranks' own."""
+    before, now = _decoded(since), _decoded(_environ_snapshot())
+    changes: dict[str, str | None] = {k: v for k, v in now.items() if before.get(k) != v}
+    changes.update({k: None for k in before.keys() - now.keys()})
+    for key in _RANK_KEYS:
+        changes.pop(key, None)
+    return changes
+
+
+def apply_environ_changes(changes: dict[str, str | None]) -> None:
+    """Set and remove what :func:`environ_changes` found."""
+    environ = os.environ
+    for key, value in changes.items():
+        if value is None:
+            environ.pop(key, None)
+        elif environ.get(key) != value:
+            environ[key] = value
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_env(rank: int) -> tuple[tuple[str, str], ...]:
+    """A rank's own variables, RANK and LOCAL_RANK."""
+    return (("RANK", str(rank)), ("LOCAL_RANK", str(rank)))
+
+
+# Never connected to: a rank's init_process_group adopts its group (see _patches).
+_MASTER_ENV = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"))
+
+
+def _world_env(world_size: int) -> tuple[tuple[str, str], ...]:
+    """The variables every rank of a world shares."""
+    return (("WORLD_SIZE", str(world_size)), ("LOCAL_WORLD_SIZE", str(world_size)))
+
+
+def _set_environ(items: tuple[tuple[str, str], ...]) -> None:
+    """Set environment variables (runs at every hand-over, for RANK and LOCAL_RANK, which differ then)."""
+    environ = os.environ
+    for key, value in items:
+        environ[key] = value
+
+
+def _forward_ad_level() -> int:
+    """The innermost forward-AD dual level (-1: none).
+
+    ``torch.autograd.forward_ad`` keeps it in the module global ``_current_level``
+    and has no getter (checked in torch 2.11-2.15).
+    """
+    level: int = forward_ad._current_level
+    return level
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+def _environ_data() -> dict[Any, Any] | None:
+    """os.environ's backing dict, where it has one (CPython keeps ``_data``: checked 3.10-3.13)."""
+    data = getattr(os.environ, "_data", None)
+    return data if isinstance(data, dict) else None
+
+
+# A world snapshots the environment when it starts and compares it when it ends.
+# os.environ decodes every variable when copied; its backing dict (encoded bytes on
+# POSIX) copies without that, a measurable share of a world's set-up and teardown
+# (benchmarks/bench_tricks.py). It is only read here; every write goes through os.environ.
+_ENVIRON_DATA = _environ_data()
+
+
+def _environ_snapshot() -> dict[Any, Any]:
+    """The environment as it is now, in the backing dict's form (compare with ``==`` only)."""
+    data = _ENVIRON_DATA
+    return dict(data) if data is not None else dict(os.environ)
+
+
+def _decoded(snapshot: dict[Any, Any]) -> dict[str, str]:
+    """A :func:`_environ_snapshot` as os.environ's keys and values."""
+    if _ENVIRON_DATA is None:
+        return dict(snapshot)
+    return {os.fsdecode(key): os.fsdecode(value) for key, value in snapshot.items()}
+
+
+def _restore_environ(saved: dict[Any, Any]) -> None:
+    now = _environ_snapshot()
+    if now == saved:
+        return
+    # only what differs is decoded (a world's end sets back its ranks' few variables)
+    decode = os.fsdecode if _ENVIRON_DATA is not None else str
+    environ = os.environ
+    for key in now.keys() - saved.keys():
+        del environ[decode(key)]
+    for key, value in saved.items():
+        if now.get(key) != value:
+            environ[decode(key)] = decode(value)
+
+
+# What a rank's own environment holds (set at hand-overs and at the world's start).
+_RANK_KEYS = [key for pairs in (_rank_env(0), _world_env(1), _MASTER_ENV) for key, _ in pairs]

@@ -1,0 +1,1 @@
+"""The pytest plugin, one module per feature."""

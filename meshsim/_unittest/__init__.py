@@ -1,0 +1,1 @@
+"""torch's distributed unittest bases and decorators, on simulated ranks."""
