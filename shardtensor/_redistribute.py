@@ -19,9 +19,9 @@ Shard sizes always come from the specs, so no hop sends shapes. The private
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,8 @@ from shardtensor._spec import ShardTensorSpec, chunk_sizes, make_spec
 
 __all__ = ["plan", "redistribute_local", "target_spec"]
 
-_switch = threading.local()  # per rank thread: simulated ranks share one process
+# per thread (each has its own context): simulated ranks share one process
+_negotiate: ContextVar[bool] = ContextVar("shardtensor_negotiate_shapes", default=False)
 
 
 @contextmanager
@@ -45,16 +46,15 @@ def _negotiate_shapes() -> Iterator[None]:
     This is upstream's behaviour before PhysicsNeMo PR #1779 (one extra all_to_all
     per hop), kept to measure and test against. Must be entered on every rank.
     """
-    previous = getattr(_switch, "on", False)
-    _switch.on = True
+    token = _negotiate.set(True)
     try:
         yield
     finally:
-        _switch.on = previous
+        _negotiate.reset(token)
 
 
 def _negotiating() -> bool:
-    return bool(getattr(_switch, "on", False))
+    return _negotiate.get()
 
 
 def target_spec(src: ShardTensorSpec, placements: tuple[Placement, ...]) -> ShardTensorSpec:

@@ -24,12 +24,13 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
+from meshsim._base.context import Seat, current
 from meshsim._engine.scheduler import Scheduler
 from meshsim._observe.recorder import DispatchRecorder
 from meshsim._process import patches as _patches
 from meshsim._process import thread_worlds as _thread_worlds
 from meshsim._process.loopback import loopback_environment
-from meshsim._sim.backend import BACKEND_NAME, RankContext, current_rank, default_process_group
+from meshsim._sim.backend import BACKEND_NAME, default_process_group
 from meshsim._sim.store import SimStore
 
 __all__ = ["GlooRanks", "Ranks", "SimRanks", "ranks_for"]
@@ -49,7 +50,7 @@ class Ranks:
         """The store the world's ranks rendezvous on."""
         raise NotImplementedError
 
-    def init_default_group(self, context: RankContext, store: Store, timeout: float) -> None:
+    def init_default_group(self, context: Seat, store: Store, timeout: float) -> None:
         """Make ``context``'s rank thread's default group (again, after user code destroyed it)."""
         raise NotImplementedError
 
@@ -77,11 +78,11 @@ class SimRanks(Ranks):
         self._group_store: Store | None = None
 
     def store(self, scheduler: Scheduler) -> Store:
-        store = SimStore(scheduler, current_rank)
+        store = SimStore(scheduler, _seat_rank)
         self._group_store = _thread_worlds.default_group_store(store)
         return store
 
-    def init_default_group(self, context: RankContext, store: Store, timeout: float) -> None:
+    def init_default_group(self, context: Seat, store: Store, timeout: float) -> None:
         assert self._group_store is not None  # store() ran at the world's start
         pg = default_process_group(context)
         _thread_worlds.install_default_group(pg, BACKEND_NAME, self._group_store, context.world_size)
@@ -106,7 +107,7 @@ class GlooRanks(Ranks):
     def store(self, scheduler: Scheduler) -> Store:
         return HashStore()
 
-    def init_default_group(self, context: RankContext, store: Store, timeout: float) -> None:
+    def init_default_group(self, context: Seat, store: Store, timeout: float) -> None:
         # A default group made again (user code destroyed it) meets on keys of its own.
         store = PrefixStore(f"again{context.inits}/", store) if context.inits else store
         context.inits += 1
@@ -143,6 +144,12 @@ class GlooRanks(Ranks):
 
     def let_go(self, exc: BaseException) -> None:
         _drop_frame_locals(exc)
+
+
+def _seat_rank() -> int | None:
+    """The calling thread's rank in its world (None outside rank threads): who waits on the store."""
+    seat = current().seat
+    return None if seat is None else seat.rank
 
 
 def ranks_for(backend: str, *, serialize: bool) -> Ranks:

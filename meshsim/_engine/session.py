@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshsim._base.context import current
 from meshsim._engine.affinity import pin, unpin
 from meshsim._engine.scheduler import Waitable
 from meshsim._engine.world import _check_args, _name_of, _World
@@ -27,7 +28,6 @@ from meshsim._observe import trace as _trace
 from meshsim._process import rng as _rng
 from meshsim._process import state as _state
 from meshsim._process.state import ProcessState
-from meshsim._sim.backend import current_context
 
 __all__ = ["Session"]
 
@@ -64,7 +64,7 @@ class _Calls:
         self.idle = threading.Event()
 
     def loop(self) -> None:
-        context = current_context()
+        context = current().seat
         assert context is not None  # the world's function runs in a rank thread
         rank, scheduler = context.rank, context.scheduler
         while True:

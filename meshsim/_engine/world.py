@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import Store
 
+from meshsim._base.context import Seat, current
 from meshsim._base.errors import (
     CollectiveMismatchError,
     DeadlockError,
@@ -40,8 +41,6 @@ from meshsim._process.leaks import Watch
 from meshsim._process.state import ProcessState, RankState
 from meshsim._sim.backend import (
     BACKEND_NAME,
-    RankContext,
-    bind_rank,
     create_process_group,
 )
 from meshsim._sim.rendezvous import Rendezvous
@@ -398,18 +397,18 @@ class _World:
 
     def _rank_main(self, rank: int) -> None:
         try:
-            entered = _patches.enter_rank_thread(gpu_paths=self.gpu_paths, group_timeout=self.group_timeout)
+            _patches.enter_rank_thread(gpu_paths=self.gpu_paths, group_timeout=self.group_timeout)
             try:
                 self._rank_body(rank)
             finally:
-                _patches.leave_rank_thread(entered)
+                _patches.leave_rank_thread()
         except WorldAborted:
             pass  # interrupted while leaving; the world already failed
 
     def _rank_body(self, rank: int) -> None:
-        context = RankContext(rank, self.world_size, self.scheduler, self.rendezvous)
+        here = current()
+        context = here.seat = Seat(rank, self.world_size, self.scheduler, self.rendezvous)
         context.init_default = self._init_process_group
-        bind_rank(context)
         # per thread; ProcessState restores the default. None: what a new thread gets.
         num_threads = self.num_threads if self.num_threads is not None else self.num_threads_default
         if torch.get_num_threads() != num_threads:
@@ -426,10 +425,10 @@ class _World:
         except WorldAborted:
             pass
         finally:
-            bind_rank(None)
+            here.seat = None
             self.scheduler.finish(rank, outcome)
 
-    def _call_fn(self, rank: int, context: RankContext) -> str:
+    def _call_fn(self, rank: int, context: Seat) -> str:
         """Run the rank's function between its process groups' set-up and teardown; returns how it ended."""
         # The failure is recorded before the process groups are torn down: on gloo,
         # tearing down closes sockets, and the peers' resulting errors must not be
@@ -455,7 +454,7 @@ class _World:
                 tracer.rank_function(rank, _name_of(self.fn), start, outcome)
         return outcome
 
-    def _init_process_group(self, context: RankContext) -> None:
+    def _init_process_group(self, context: Seat) -> None:
         assert self.store is not None  # made at the world's start
         self.kind.init_default_group(context, self.store, self.timeout)
 

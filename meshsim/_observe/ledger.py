@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from meshsim._base.context import current
 
 __all__ = [
     "Collective",
@@ -203,16 +204,6 @@ def _check_op(op: str) -> None:
         raise ValueError(f"unknown collective op {op!r}; expected one of {', '.join(OPS)}")
 
 
-_local = threading.local()
-
-
-def _active() -> list[Ledger]:
-    stack: list[Ledger] | None = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
 @contextmanager
 def record() -> Iterator[Ledger]:
     """Record the collectives the calling rank issues inside the block.
@@ -231,7 +222,7 @@ def record() -> Iterator[Ledger]:
 @contextmanager
 def recording_into(ledger: Ledger) -> Iterator[Ledger]:
     """Like :func:`record`, appending to an existing ``ledger``."""
-    stack = _active()
+    stack = current().ledgers
     stack.append(ledger)
     try:
         yield ledger
@@ -239,17 +230,12 @@ def recording_into(ledger: Ledger) -> Iterator[Ledger]:
         stack.remove(ledger)
 
 
-def open_ledgers() -> list[Ledger]:
-    """The calling thread's open ledgers, innermost last: a live list that stays the thread's."""
-    return _active()
-
-
 def is_recording() -> bool:
     """Whether the calling thread is inside a :func:`record` block."""
-    return bool(getattr(_local, "stack", None))
+    return bool(current().ledgers)
 
 
 def append(call: Collective) -> None:
     """Add ``call`` to every ledger open in the calling thread."""
-    for ledger in _active():
+    for ledger in current().ledgers:
         ledger.calls.append(call)

@@ -14,7 +14,6 @@ they desugar into are seen on plain tensors, as on the simulated backend.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshsim._base import context
 from meshsim._observe import ledger as _ledger
 from meshsim._observe import sites as _sites
 from meshsim._observe.ledger import Collective
 from meshsim._process import thread_worlds as _thread_worlds
 
-__all__ = ["DispatchRecorder", "current"]
+__all__ = ["DispatchRecorder"]
 
 Tensor = torch.Tensor
 
@@ -243,15 +243,6 @@ _HANDLERS: dict[tuple[str, str], _Handler] = {
 }
 
 
-_local = threading.local()
-
-
-def current() -> DispatchRecorder | None:
-    """The recorder entered in the calling thread, if any."""
-    recorder: DispatchRecorder | None = getattr(_local, "recorder", None)
-    return recorder
-
-
 class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Feeds :func:`meshsim.record` from the dispatcher; enter it in each rank's thread.
 
@@ -268,13 +259,14 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self._outer: DispatchRecorder | None = None
 
     def __enter__(self) -> DispatchRecorder:
-        self._outer, _local.recorder = current(), self
+        here = context.current()
+        self._outer, here.recorder = here.recorder, self
         entered: DispatchRecorder = super().__enter__()  # type: ignore[no-untyped-call]
         return entered
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
-        _local.recorder = self._outer
+        context.current().recorder = self._outer
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from meshsim._base.context import current
 from meshsim._base.errors import WorldAborted
 from meshsim._process import integrations as _integrations
 from meshsim._process import rng as _rng
 from meshsim._process import thread_worlds as _thread_worlds
-from meshsim._sim.backend import current_context
 
 __all__ = [
     "enter_rank_thread",
@@ -208,11 +208,11 @@ def _meshes_per_rank_thread() -> Undo:
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__init__
-    mesh_token = _thread_worlds.mesh_token
+    here = current()
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        token = mesh_token()
+        token = here.mesh_token
         if token is not None:
             self._thread_id = token
             self._hash = None
@@ -233,10 +233,10 @@ def _group_timeout_per_world() -> Undo:
     long, longer than a world may last.
     """
     original = cast(Callable[[Any], datetime.timedelta], c10d._get_default_timeout)
-    group_timeout = _thread_worlds.group_timeout
+    here = current()
 
     def default_timeout(backend: Any) -> datetime.timedelta:
-        override = group_timeout()
+        override = here.group_timeout
         return override if override is not None else original(backend)
 
     c10d._get_default_timeout = default_timeout
@@ -296,7 +296,8 @@ def _adopt(arguments: dict[str, Any]) -> bool:
     Raises:
         ValueError: the call names a rank or world size the rank does not have.
     """
-    context = current_context() if _thread_worlds.is_rank_thread() else None
+    here = current()
+    context = here.seat if here.c10d is not None else None
     if context is None:
         return False
     for name, actual in (("rank", context.rank), ("world_size", context.world_size)):
@@ -330,11 +331,11 @@ def _dtensor_gpu_paths() -> Undo:
 
     original: Callable[[], Any] = _collective_utils.local_tensor_mode  # type: ignore[attr-defined]
     marker = _NotLocalTensorMode()
-    wants_gpu_paths = _thread_worlds.wants_gpu_paths
+    here = current()
 
     def local_tensor_mode() -> Any:
         mode = original()
-        if mode is None and wants_gpu_paths():
+        if mode is None and here.gpu_paths:
             return marker
         return mode
 
@@ -440,12 +441,12 @@ def uninstall() -> None:
     _PATCHES.release()
 
 
-def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | None = None) -> Any:
-    """Make the calling thread a rank: its own c10d world, RNGs and mesh identity.
+def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | None = None) -> None:
+    """Make the calling thread a rank: its own c10d world, RNGs and mesh identity (its rank context).
 
-    ``group_timeout``: the timeout of the groups the rank makes without one. Returns
-    what :func:`leave_rank_thread` takes to undo it, in the same thread (the world
-    view entered: a later world may have installed another). Plain functions, not a
+    ``group_timeout``: the timeout of the groups the rank makes without one. Undone by
+    :func:`leave_rank_thread` in the same thread, which leaves the world view this
+    thread entered (a later world may have installed another). Plain functions, not a
     context manager: every rank of every world runs them, in a world's set-up time.
 
     Must run between :func:`install` and :func:`uninstall`.
@@ -455,11 +456,10 @@ def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | No
         raise RuntimeError("meshsim internal error: enter_rank_thread() outside a world")
     _thread_worlds.enter_rank_thread(worlds, gpu_paths=gpu_paths, group_timeout=group_timeout)
     _rng.enter_rank()
-    return worlds
 
 
-def leave_rank_thread(entered: Any) -> None:
-    """Undo :func:`enter_rank_thread`, given what it returned, in the calling thread."""
+def leave_rank_thread() -> None:
+    """Undo :func:`enter_rank_thread` in the calling thread."""
     _clear_thread_caches()  # the thread may serve a later world: its caches hold this one's meshes
     _rng.leave_rank()
-    _thread_worlds.leave_rank_thread(entered)
+    _thread_worlds.leave_rank_thread()

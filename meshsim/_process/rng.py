@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from meshsim._base.context import current
+
 __all__ = ["enter_rank", "install", "leave_rank", "numpy_fingerprint"]
 
-_local = threading.local()
 _NUMPY_ALIASES = {"seed": "seed", "sample": "random_sample", "ranf": "random_sample"}
 # (module, name, original, router): routers are built once per original function,
 # since a world installs them on every start (this runs in a world's set-up time).
@@ -53,27 +53,31 @@ def _numpy_names(nprandom: Any) -> dict[str, str]:
 
 
 def _python_generator() -> Any:
-    gen = getattr(_local, "python", None)
+    here = current()
+    gen = here.python_rng
     if gen is None:
         gen = random.Random()
         gen.setstate(random._inst.getstate())  # type: ignore[attr-defined]
-        _local.python = gen
+        here.python_rng = gen
     return gen
 
 
 def _numpy_generator() -> Any:
-    gen = getattr(_local, "numpy", None)
+    here = current()
+    gen = here.numpy_rng
     if gen is None:
         nprandom = sys.modules["numpy.random"]
         gen = nprandom.RandomState()
         gen.set_state(nprandom.mtrand._rand.get_state())
-        _local.numpy = gen
+        here.numpy_rng = gen
     return gen
 
 
 def _router(original: Callable[..., Any], method: str, pick: Callable[[], Any]) -> Callable[..., Any]:
+    here = current()
+
     def routed(*args: Any, **kwargs: Any) -> Any:
-        if not getattr(_local, "is_rank", False):
+        if not here.own_rng:
             return original(*args, **kwargs)
         return getattr(pick(), method)(*args, **kwargs)
 
@@ -147,15 +151,15 @@ def install() -> Callable[[], None]:
 
 def enter_rank() -> None:
     """Give the calling thread its own generators (created on first draw)."""
-    _local.is_rank = True
-    _local.python = None
-    _local.numpy = None
+    here = current()
+    here.own_rng = True
+    here.python_rng = here.numpy_rng = None
 
 
 def leave_rank() -> None:
-    _local.is_rank = False
-    _local.python = None
-    _local.numpy = None
+    here = current()
+    here.own_rng = False
+    here.python_rng = here.numpy_rng = None
 
 
 def numpy_fingerprint() -> Any:

@@ -32,21 +32,19 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
     _resolve_process_group,
 )
 
+from meshsim._base.context import current
+
 __all__ = [
     "ThreadWorlds",
     "as_process_group",
     "default_group_store",
     "enter_rank_thread",
     "forget_groups",
-    "group_timeout",
     "install",
     "install_default_group",
-    "is_rank_thread",
     "leave_rank_thread",
-    "mesh_token",
     "resolve_group",
     "thread_groups",
-    "wants_gpu_paths",
 ]
 
 
@@ -133,55 +131,38 @@ def install() -> tuple[ThreadWorlds, Callable[[], None]]:
 
 # -- which threads are ranks -----------------------------------------------------------
 
-_rank = threading.local()  # .token, .gpu_paths, .group_timeout: set while a thread is a rank
 _TOKENS = itertools.count(1)
 
 
 def enter_rank_thread(
     worlds: ThreadWorlds, *, gpu_paths: bool, group_timeout: datetime.timedelta | None = None
 ) -> None:
-    """Give the calling thread its own c10d world and mark it as a rank.
+    """Give the calling thread its own c10d world and mark it as a rank (in its rank context).
 
     ``gpu_paths``: DTensor takes the paths it takes on GPUs (see :mod:`meshsim._process.patches`);
     ``group_timeout``: the timeout of groups made without one (``new_group``, meshes).
     """
     worlds.enter()
+    here = current()
+    here.c10d = worlds
     # DeviceMesh hashes and compares by _thread_id; a unique token per rank thread
     # keeps torch's process-wide redistribute-plan cache from handing one rank's
     # plan (which embeds its mesh coordinate) to another. Thread idents are reused
     # after a thread ends, so they are not unique enough.
-    _rank.token = next(_TOKENS)
-    _rank.gpu_paths = gpu_paths
-    _rank.group_timeout = group_timeout
+    here.mesh_token = next(_TOKENS)
+    here.gpu_paths = gpu_paths
+    here.group_timeout = group_timeout
 
 
-def leave_rank_thread(worlds: ThreadWorlds) -> None:
-    _rank.token = None
-    _rank.gpu_paths = False
-    _rank.group_timeout = None
-    worlds.leave()
-
-
-def is_rank_thread() -> bool:
-    """Whether the calling thread is a simulated rank (between enter and leave_rank_thread)."""
-    return getattr(_rank, "token", None) is not None
-
-
-def mesh_token() -> int | None:
-    """The calling rank thread's identity for DeviceMesh (None outside rank threads)."""
-    token: int | None = getattr(_rank, "token", None)
-    return token
-
-
-def wants_gpu_paths() -> bool:
-    """Whether the calling rank thread's world records what GPUs would do."""
-    return bool(getattr(_rank, "gpu_paths", False))
-
-
-def group_timeout() -> datetime.timedelta | None:
-    """The calling rank thread's timeout for groups made without one (None: c10d's)."""
-    timeout: datetime.timedelta | None = getattr(_rank, "group_timeout", None)
-    return timeout
+def leave_rank_thread() -> None:
+    """Undo :func:`enter_rank_thread` in the calling thread: it sees the process's c10d world again."""
+    here = current()
+    worlds, here.c10d = here.c10d, None
+    here.mesh_token = None
+    here.gpu_paths = False
+    here.group_timeout = None
+    if worlds is not None:
+        worlds.leave()
 
 
 # -- a rank's process groups -----------------------------------------------------------

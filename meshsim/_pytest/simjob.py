@@ -40,11 +40,11 @@ from typing import Any
 import pytest
 
 from meshsim._base import MESHSIM_DIR
+from meshsim._base.context import current
 from meshsim._engine.session import Session
 from meshsim._modes.fixtures import RankFixtures, resolve
 from meshsim._observe.ledger import Ledger
-from meshsim._process import thread_worlds as _thread_worlds
-from meshsim._sim.backend import current_context, restart_numbering
+from meshsim._sim.backend import restart_numbering
 
 __all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code"]
 
@@ -152,7 +152,7 @@ class SimulatedJob:
         job = self
 
         def on_the_ranks(*args: Any) -> Any:
-            if _thread_worlds.is_rank_thread():
+            if current().c10d is not None:
                 return function(*args)  # already on a rank (a plugin registered by a rank)
             if hook_name in SETUP_HOOKS:
                 job.session.add_setup(function, *args)
@@ -172,7 +172,7 @@ class SimulatedJob:
         config = self.config
 
         def register_plugin(plugin: Any, name: str | None = None) -> str | None:
-            if _thread_worlds.is_rank_thread() and manager.is_registered(plugin):
+            if current().c10d is not None and manager.is_registered(plugin):
                 # Registered by another rank (or an earlier world): do what registering
                 # it would have done here, under torchrun, in this rank's process.
                 configure = getattr(plugin, "pytest_configure", None)
@@ -188,7 +188,7 @@ class SimulatedJob:
     # -- the ranks' side -------------------------------------------------------------
 
     def _rank_fixtures(self) -> RankFixtures:
-        context = current_context()
+        context = current().seat
         assert context is not None  # runs in a rank thread
         if self._fixtures_world != self.session.worlds:
             self._fixtures, self._fixtures_world = {}, self.session.worlds

@@ -25,17 +25,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshsim._base.context import Seat, current
 from meshsim._observe import ledger as _ledger
-from meshsim._observe import recorder as _recorder
 from meshsim._observe import sites as _sites
 from meshsim._observe.ledger import Collective
 from meshsim._process import thread_worlds as _thread_worlds
@@ -57,20 +55,13 @@ from meshsim._sim.collectives import (
     Scatter,
 )
 from meshsim._sim.p2p import Endpoint
-from meshsim._sim.rendezvous import Call, Rendezvous
+from meshsim._sim.rendezvous import Call
 from meshsim._sim.work import DONE, ReceiveWork, completed
-
-if TYPE_CHECKING:
-    from meshsim._engine.scheduler import Scheduler
 
 __all__ = [
     "BACKEND_NAME",
-    "RankContext",
     "SimProcessGroup",
-    "bind_rank",
     "create_process_group",
-    "current_context",
-    "current_rank",
     "default_process_group",
     "reduce_op_names_by_hash",
     "reduce_op_of",
@@ -79,33 +70,6 @@ __all__ = [
 
 BACKEND_NAME = "meshsim"
 Tensor = torch.Tensor
-
-
-@dataclass
-class RankContext:
-    """What a rank thread's process groups need from their world."""
-
-    rank: int
-    world_size: int
-    scheduler: Scheduler
-    rendezvous: Rendezvous
-    # makes this rank's default group again, after user code destroyed it
-    init_default: Callable[[RankContext], None] | None = None
-    inits: int = 0  # default groups made so far (gloo: each meets on keys of its own)
-
-
-_local = threading.local()
-
-
-def bind_rank(context: RankContext | None) -> None:
-    """Make ``context`` the calling thread's world for groups it creates."""
-    _local.context = context
-
-
-def current_context() -> RankContext | None:
-    """The calling thread's rank in its world, or None outside a simulated or gloo rank thread."""
-    context: RankContext | None = getattr(_local, "context", None)
-    return context
 
 
 def restart_numbering() -> None:
@@ -118,20 +82,14 @@ def restart_numbering() -> None:
     for group in _thread_worlds.thread_groups():
         if isinstance(group, SimProcessGroup):
             group.restart_numbering()
-    recorder = _recorder.current()
+    recorder = current().recorder
     if recorder is not None:
         recorder.restart_numbering()
 
 
-def current_rank() -> int | None:
-    """The global rank of the calling thread, or None outside a simulated rank."""
-    context: RankContext | None = getattr(_local, "context", None)
-    return None if context is None else context.rank
-
-
 def create_process_group(opts: Any, backend_options: Any) -> SimProcessGroup:
     """The c10d backend creator (``register_backend(..., extended_api=True)``)."""
-    context: RankContext | None = getattr(_local, "context", None)
+    context = current().seat
     if context is None:
         raise RuntimeError(
             f"the {BACKEND_NAME!r} backend only works inside meshsim.run(); "
@@ -142,7 +100,7 @@ def create_process_group(opts: Any, backend_options: Any) -> SimProcessGroup:
     return SimProcessGroup(context, group, opts.group_rank)
 
 
-def default_process_group(context: RankContext) -> SimProcessGroup:
+def default_process_group(context: Seat) -> SimProcessGroup:
     """This rank's handle on the world group, named "0" as c10d names the default group."""
     ranks = tuple(range(context.world_size))
     group = context.rendezvous.group("0", ranks, context.rank)
@@ -236,7 +194,7 @@ def _observable(*names: str) -> Callable[[_Method], _Method]:
 class SimProcessGroup(dist.ProcessGroup):
     """One rank's handle on one simulated process group."""
 
-    def __init__(self, context: RankContext, group: Any, group_rank: int) -> None:
+    def __init__(self, context: Seat, group: Any, group_rank: int) -> None:
         super().__init__(group_rank, group.size)  # type: ignore[call-arg]
         self._context = context
         self._group = group
@@ -247,7 +205,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self._p2p = Endpoint(group.mailbox, group.ranks, group_rank, context.scheduler)
         # c10d makes a group in the rank thread that uses it: that thread's open
         # ledgers, held here, spare a thread-local lookup on every collective.
-        self._ledgers = _ledger.open_ledgers()
+        self._ledgers = current().ledgers
         self._dispatcher_twin: Any = None  # made when a dispatch mode first watches a call
 
     def _twin(self) -> Any:
