@@ -26,7 +26,7 @@ import torch.distributed as dist
 import meshsim
 from meshsim._engine import affinity as _affinity
 from meshsim._engine import doorbell as _doorbell
-from meshsim._process import perrank as _perrank
+from meshsim._process import handover as _perrank
 from meshsim._process import state as _state
 from meshsim._sim import backend as _backend
 

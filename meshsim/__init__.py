@@ -14,7 +14,7 @@ from meshsim._engine.threads import end_idle_threads
 from meshsim._engine.world import run
 from meshsim._observe.ledger import Collective, Ledger, record
 from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
-from meshsim._process.perrank import per_rank
+from meshsim._process.handover import per_rank
 
 __all__ = [
     "Collective",

@@ -12,8 +12,8 @@ their own layout (see :func:`keep_leaf_gradient_layout`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,8 +26,22 @@ from shardtensor._from_local import build_spec
 from shardtensor._placements import check_placements
 from shardtensor._spec import ShardTensorSpec, chunk_layout, make_spec, without_partial
 
-if TYPE_CHECKING:
-    from shardtensor._tensor import ShardTensor
+
+class ShardLike(Protocol):
+    """What this module reads of a ShardTensor (shardtensor._tensor defines the class and imports
+    this module, so the Functions make their results of the class they are given)."""
+
+    _spec: ShardTensorSpec
+    _local_tensor: torch.Tensor
+
+    @property
+    def placements(self) -> tuple[Placement, ...]: ...
+
+    @property
+    def is_leaf(self) -> bool: ...
+
+    def register_hook(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> Any: ...
+
 
 # The Function classes keep their underscored names: autograd shows them (``_FromLocalBackward``).
 __all__ = [
@@ -39,19 +53,12 @@ __all__ = [
 ]
 
 
-def _shard_tensor() -> type[ShardTensor]:
-    from shardtensor._tensor import ShardTensor
-
-    return ShardTensor
-
-
-def move(tensor: ShardTensor, target: ShardTensorSpec) -> ShardTensor:
-    """``tensor`` in exactly ``target``'s layout (differentiable)."""
-    result: ShardTensor = _Redistribute.apply(tensor, target)  # type: ignore[no-untyped-call]
-    return result
+def move(tensor: ShardLike, target: ShardTensorSpec) -> Any:
+    """``tensor`` in exactly ``target``'s layout (differentiable): a tensor of ``tensor``'s class."""
+    return _Redistribute.apply(tensor, target)  # type: ignore[no-untyped-call]
 
 
-def gradient_spec(tensor: ShardTensor, grad_placements: Sequence[Placement] | None) -> ShardTensorSpec:
+def gradient_spec(tensor: ShardLike, grad_placements: Sequence[Placement] | None) -> ShardTensorSpec:
     """The layout of the gradient that ``to_local`` hands back to ``tensor``."""
     spec = tensor._spec
     if grad_placements is None:
@@ -116,7 +123,7 @@ class InferLater:
 # -- gradients of leaves ------------------------------------------------------------------------
 
 
-def keep_leaf_gradient_layout(tensor: ShardTensor) -> None:
+def keep_leaf_gradient_layout(tensor: ShardLike) -> None:
     """Gradients reaching this leaf take its layout on the mesh dims where it is sharded.
 
     A reduction's backward expands the gradient of its result back to the input's
@@ -130,9 +137,10 @@ def keep_leaf_gradient_layout(tensor: ShardTensor) -> None:
     if not tensor.is_leaf or getattr(tensor, "_shardtensor_grad_hook", False):
         return
     spec = tensor._spec
+    cls = type(tensor)
 
     def to_leaf_layout(grad: torch.Tensor) -> torch.Tensor | None:
-        if not isinstance(grad, _shard_tensor()) or grad._spec == spec:
+        if not isinstance(grad, cls) or grad._spec == spec:
             return None
         target = _leaf_gradient_target(grad._spec, spec)
         return None if target == grad._spec else move(grad, target)
@@ -167,8 +175,12 @@ def _leaf_gradient_target(grad: ShardTensorSpec, leaf: ShardTensorSpec) -> Shard
 # call (torch 2.11-2.14), which tripled the cost of a "chunk" from_local.
 
 
+# Each Function makes its ShardTensors of the class it is given (``cls``) or of its
+# input's type: this module is imported by shardtensor._tensor, which defines the class.
+
+
 class _FromLocal(torch.autograd.Function):
-    """local tensor -> ShardTensor; backward returns one gradient per input (five)."""
+    """local tensor -> ShardTensor (of ``cls``); backward returns one gradient per input (six)."""
 
     @staticmethod
     def forward(
@@ -178,45 +190,52 @@ class _FromLocal(torch.autograd.Function):
         placements: Any,
         sharding_shapes: Any,
         global_shape: Any,
-    ) -> ShardTensor:
+        cls: type,
+    ) -> Any:
         spec = build_spec(local, mesh, placements, sharding_shapes, global_shape)
         ctx.spec = spec
+        ctx.cls = cls
         ctx.set_materialize_grads(False)
         # A detached alias: the shard shares the input's storage, the autograd
         # history lives on the wrapper.
-        return _shard_tensor()(local.detach(), spec)
+        return cls(local.detach(), spec)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
-        return _local_gradient(grad, without_partial(ctx.spec)), None, None, None, None
+    def backward(
+        ctx: Any, grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+        return _local_gradient(grad, without_partial(ctx.spec), ctx.cls), None, None, None, None, None
 
 
-def _local_gradient(grad: torch.Tensor | None, spec: ShardTensorSpec) -> torch.Tensor | None:
+def _local_gradient(grad: torch.Tensor | None, spec: ShardTensorSpec, cls: type) -> torch.Tensor | None:
     """``grad`` as this rank's shard of ``spec`` (redistributed if it arrives in another layout)."""
-    if grad is None or not isinstance(grad, _shard_tensor()):
+    if grad is None or not isinstance(grad, cls):
         return grad  # a plain gradient can only be the local shard's: autograd checked its shape
-    return _redistribute.redistribute_local(grad._local_tensor, grad._spec, spec)
+    shard = cast(ShardLike, grad)
+    return _redistribute.redistribute_local(shard._local_tensor, shard._spec, spec)
 
 
 class _FromDTensor(torch.autograd.Function):
     """DTensor -> ShardTensor of the same (torch.chunk) layout; the gradient goes back as a DTensor."""
 
     @staticmethod
-    def forward(ctx: Any, dtensor: DTensor) -> ShardTensor:
+    def forward(ctx: Any, dtensor: DTensor, cls: type) -> Any:
         local = dtensor._local_tensor
         ctx.dtensor_spec = dtensor._spec
-        return _shard_tensor()(local.view_as(local), dtensor_layout(dtensor))
+        ctx.cls = cls
+        return cls(local.view_as(local), dtensor_layout(dtensor))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:
-        if isinstance(grad, _shard_tensor()):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
+        if isinstance(grad, ctx.cls):
             local, placements = grad._local_tensor, grad.placements
         else:
             local, placements = grad, without_partial_placements(ctx.dtensor_spec.placements)
         spec = ctx.dtensor_spec
-        return DTensor.from_local(
+        dtensor = DTensor.from_local(
             local, spec.mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride
         )
+        return dtensor, None
 
 
 def dtensor_layout(dtensor: DTensor) -> ShardTensorSpec:
@@ -242,13 +261,14 @@ class _ToLocal(torch.autograd.Function):
     """ShardTensor -> its local tensor; the gradient goes back as a ShardTensor."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: ShardTensor, grad_spec: Any) -> torch.Tensor:
+    def forward(ctx: Any, tensor: ShardLike, grad_spec: Any) -> torch.Tensor:
         ctx.spec = grad_spec
+        ctx.cls = type(tensor)
         # A fresh view: autograd writes its metadata on the output, not on our shard.
         return tensor._local_tensor.view_as(tensor._local_tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardLike, None]:
         spec = ctx.spec
         if isinstance(spec, InferLater):
             spec = spec.for_gradient(grad)
@@ -262,29 +282,31 @@ class _ToLocal(torch.autograd.Function):
                 spec.stride,
                 spec.coordinate,
             )
-        return _shard_tensor()(grad, spec), None
+        return ctx.cls(grad, spec), None
 
 
 class _Redistribute(torch.autograd.Function):
     """ShardTensor -> the same tensor in ``spec``; backward is the reverse redistribute."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
+    def forward(ctx: Any, tensor: ShardLike, spec: ShardTensorSpec) -> Any:
         ctx.source = without_partial(tensor._spec)
         ctx.negotiate = _redistribute._negotiating()
+        cls: Any = type(tensor)
+        ctx.cls = cls
         ctx.set_materialize_grads(False)
         local = _redistribute.redistribute_local(tensor._local_tensor, tensor._spec, spec)
-        return _shard_tensor()(local, spec)
+        return cls(local, spec)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[ShardTensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[ShardLike | None, None]:
         if grad is None:
             return None, None
-        if not isinstance(grad, _shard_tensor()):
+        if not isinstance(grad, ctx.cls):
             raise TypeError(
                 f"redistribute's backward needs a ShardTensor gradient, got {type(grad).__name__}"
             )
         # The same shape exchange as the forward, so a benchmark compares like with like.
         with _redistribute._negotiate_shapes() if ctx.negotiate else contextlib.nullcontext():
             local = _redistribute.redistribute_local(grad._local_tensor, grad._spec, ctx.source)
-        return _shard_tensor()(local, ctx.source), None
+        return ctx.cls(local, ctx.source), None

@@ -47,9 +47,6 @@ __all__ = ["dispatch", "plan_cache_clear"]
 
 aten = torch.ops.aten
 
-# The ShardTensor class and the promotion hook, installed by _tensor (which imports us).
-_state: dict[str, Any] = {}
-
 _MEAN_AS_SUM = {
     aten.mean.default: aten.sum.default,
     aten.mean.dim: aten.sum.dim_IntList,
@@ -236,13 +233,23 @@ def _key_part(a: Any, cls: type, static: bool) -> Any:
 # -- the entry point ----------------------------------------------------------------------------
 
 
-def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``op`` on ShardTensor arguments; returns ShardTensors with correct per-rank specs."""
-    cls = _state["cls"]
+def dispatch(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cls: type,
+    promote: Callable[[torch.Tensor, Any, Any], Any],
+) -> Any:
+    """Run ``op`` on ShardTensor arguments; returns ShardTensors with correct per-rank specs.
+
+    ``cls`` is the ShardTensor class and ``promote(tensor, mesh, op)`` makes a plain
+    tensor one (by the promotion mode): shardtensor._tensor, which defines both,
+    passes them (it imports this module).
+    """
     try:
         key = _key(op, args, kwargs, cls)
     except _Plain:
-        args, kwargs = _promote_plain(op, args, kwargs, cls)
+        args, kwargs = _promote_plain(op, args, kwargs, cls, promote)
         key = _key(op, args, kwargs, cls)
     plan = _PLANS.get(key)
     if plan is None:
@@ -266,14 +273,19 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = plan.outputs
         if result.shape != out.local_shape or result.dtype != out.dtype:
             _wrong_layout(plan.op, result, out)
-        wrapped = _new_wrapper(cls, out.shape, strides=out.stride, dtype=out.dtype, device=result.device)
-        wrapped._local_tensor = result
-        wrapped._spec = out
-        return wrapped
+        return _wrap_local(cls, result, out)
     return _run(plan, args, kwargs, cls)
 
 
 _new_wrapper = _torch_private.new_wrapper
+
+
+def _wrap_local(cls: type, local: torch.Tensor, spec: ShardTensorSpec) -> Any:
+    """``cls(local, spec)`` for a result whose local shape the caller has checked (the op hot path)."""
+    wrapped = _new_wrapper(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device)
+    wrapped._local_tensor = local
+    wrapped._spec = spec
+    return wrapped
 
 
 def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) -> Any:
@@ -313,7 +325,7 @@ def _run(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type) 
     if isinstance(result, torch.Tensor) and isinstance(out, ShardTensorSpec):
         if result.shape != out.local_shape or result.dtype != out.dtype:
             _wrong_layout(plan.op, result, out)
-        return _state["wrap"](cls, result, out)
+        return _wrap_local(cls, result, out)
     return _wrap(result, out, cls, plan.op)
 
 
@@ -354,7 +366,7 @@ def _wrap(result: Any, spec: Any, cls: type, op: Any) -> Any:
             return result
         if result.shape != spec.local_shape or result.dtype != spec.dtype:
             _wrong_layout(op, result, spec)
-        return _state["wrap"](cls, result, spec)
+        return _wrap_local(cls, result, spec)
     if isinstance(result, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(result)
         wrapped = [_wrap(r, s, cls, op) for r, s in zip(result, specs)]
@@ -375,7 +387,11 @@ def _local_scalar(tensor: Any) -> Any:
 
 
 def _promote_plain(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cls: type
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cls: type,
+    promote: Callable[[torch.Tensor, Any, Any], Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Plain tensors with dims become Replicate ShardTensors (by the promotion mode); 0-dim ones stay."""
     leaves = _leaves(args, kwargs)
@@ -383,7 +399,6 @@ def _promote_plain(
     if not plain:
         return args, kwargs
     mesh = next(_spec_of(a) for a in leaves if isinstance(a, cls)).mesh
-    promote: Callable[[torch.Tensor, Any, Any], Any] = _state["promote"]
     return _rebuild(args, kwargs, lambda t: t if isinstance(t, cls) or t.ndim == 0 else promote(t, mesh, op))
 
 

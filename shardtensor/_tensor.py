@@ -168,7 +168,7 @@ class ShardTensor(torch.Tensor):
             )
         mesh = _resolve_mesh(device_mesh)
         result: ShardTensor = _autograd._FromLocal.apply(  # type: ignore[no-untyped-call]
-            local_tensor, mesh, placements, sharding_shapes, global_shape
+            local_tensor, mesh, placements, sharding_shapes, global_shape, ShardTensor
         )
         return result
 
@@ -191,7 +191,7 @@ class ShardTensor(torch.Tensor):
         if dtensor.grad_fn is None:
             leaf = ShardTensor(dtensor._local_tensor.detach(), _autograd.dtensor_layout(dtensor))
             return leaf.requires_grad_(dtensor.requires_grad)
-        return _autograd._FromDTensor.apply(dtensor)  # type: ignore[no-untyped-call, no-any-return]
+        return _autograd._FromDTensor.apply(dtensor, cls)  # type: ignore[no-untyped-call, no-any-return]
 
     def to_dtensor(self) -> DTensor:
         """This tensor as a DTensor, without communication (differentiable).
@@ -279,7 +279,8 @@ class ShardTensor(torch.Tensor):
                 f"(got placements {list(placements)})"
             )
         target = _redistribute.target_spec(self._spec, checked)
-        return _autograd.move(self, target)
+        moved: ShardTensor = _autograd.move(self, target)
+        return moved
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The global tensor on every rank: redistribute to all ``Replicate()``, then ``to_local()``.
@@ -423,7 +424,7 @@ class ShardTensor(torch.Tensor):
         fast = _FAST.get(id(func))
         if fast is not None:
             return fast(*args, **kwargs)
-        return _dispatch.dispatch(func, args, kwargs)
+        return _dispatch.dispatch(func, args, kwargs, ShardTensor, _promote_in_dispatch)
 
     # -- torch.compile (see _compile) -----------------------------------------------------------
 
@@ -625,18 +626,3 @@ _FAST: dict[int, Callable[..., Any]] = {
     id(aten.alias.default): _alias,
     id(aten.is_same_size.default): _is_same_size,
 }
-
-
-def _wrap_local(cls: type, local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    """``cls(local, spec)`` for a result whose local shape the caller has checked (the op hot path)."""
-    tensor: ShardTensor = _torch_private.new_wrapper(
-        cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device
-    )
-    tensor._local_tensor = local
-    tensor._spec = spec
-    return tensor
-
-
-_dispatch._state["cls"] = ShardTensor
-_dispatch._state["wrap"] = _wrap_local
-_dispatch._state["promote"] = _promote_in_dispatch

@@ -27,12 +27,7 @@ import datetime
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from meshsim._engine.scheduler import Scheduler
-    from meshsim._observe.ledger import Ledger
-    from meshsim._sim.rendezvous import Rendezvous
+from typing import Any
 
 __all__ = ["Context", "Seat", "current"]
 
@@ -43,15 +38,17 @@ class Seat:
 
     Attributes:
         rank, world_size: the rank and the number of ranks.
-        scheduler, rendezvous: the world's.
+        scheduler, rendezvous: the world's (a :class:`meshsim._engine.scheduler.Scheduler` and a
+            :class:`meshsim._sim.rendezvous.Rendezvous`; typed loosely here, below the layers
+            that define them).
         init_default: makes the rank's default group again, after user code destroyed it.
         inits: default groups made so far (gloo: each meets on keys of its own).
     """
 
     rank: int
     world_size: int
-    scheduler: Scheduler
-    rendezvous: Rendezvous
+    scheduler: Any
+    rendezvous: Any
     init_default: Callable[[Seat], None] | None = None
     inits: int = 0
 
@@ -71,7 +68,7 @@ class Context(threading.local):
 
     def __init__(self) -> None:
         # runs once in each thread that touches the record: every thread its own list
-        self.ledgers: list[Ledger] = []
+        self.ledgers: list[Any] = []  # meshsim._observe.ledger.Ledger
 
 
 _CONTEXT = Context()

@@ -8,7 +8,10 @@ of the layers that make them wait.
 
 from __future__ import annotations
 
-__all__ = ["Waitable"]
+import threading
+from typing import Protocol
+
+__all__ = ["Blocking", "Waitable"]
 
 
 class Waitable:
@@ -39,3 +42,27 @@ class Waitable:
     def stalled(self) -> BaseException | None:
         """A better diagnosis than 'deadlock' when the world stalls here (e.g. a mismatch)."""
         return None
+
+
+class Blocking(Protocol):
+    """What the backend asks of the world's scheduler to block and wake ranks.
+
+    :class:`meshsim._engine.scheduler.Scheduler` is one; the backend is handed it
+    and names only this, so it needs nothing of the layer above it. ``with
+    scheduler:`` holds ``lock`` and sends the wake-ups made meanwhile as it ends.
+    """
+
+    lock: threading.Lock
+    error: BaseException | None
+
+    def __enter__(self) -> Blocking: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def wait(self, rank: int, waitable: Waitable) -> None: ...
+
+    def wait_locked(self, rank: int, waitable: Waitable) -> None: ...
+
+    def wake(self, waitable: Waitable) -> None: ...
+
+    def raise_if_aborted(self) -> None: ...

@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.errors import DeadlockError, WorldAborted
@@ -37,6 +38,18 @@ _RUNNING, _READY, _BLOCKED, _DONE = "running", "ready", "blocked", "done"
 SAFETY_POLL = 1.0
 
 
+class HandOver(Protocol):
+    """What the scheduler swaps at a hand-over: each rank's share of the process."""
+
+    def save(self, rank: int) -> None: ...
+
+    def load(self, rank: int) -> None: ...
+
+
+def _nothing(rank: int) -> None:
+    """No per-rank state to swap."""
+
+
 class Scheduler:
     """The run state of every rank of one world.
 
@@ -47,11 +60,11 @@ class Scheduler:
 
     Keyword args:
         serialize: run one rank at a time (see the module docstring).
-        switch_out: per rank, called in that rank's thread, with the lock held, just
-            before it hands the baton to another rank (serialize mode).
-        switch_in: per rank, called in that rank's thread when it resumes after
-            another rank ran. Both lists are read at each hand-over: their owner may
-            fill them after construction, before :meth:`begin`.
+        handover: what each rank owns of the process (the hand-over registry as this world
+            sees it, :class:`meshsim._process.handover.WorldSlots`): its ``save(rank)`` runs
+            in the rank's thread, with the lock held, just before it hands the baton to
+            another rank, and its ``load(rank)`` when the rank resumes after another ran
+            (serialize mode; None: nothing is swapped).
 
     Attributes:
         finished: set when the world fails; its owner sets it too once every rank
@@ -64,16 +77,15 @@ class Scheduler:
         bells: Sequence[Doorbell],
         *,
         serialize: bool,
-        switch_out: Sequence[Callable[[], None]],
-        switch_in: Sequence[Callable[[], None]],
+        handover: HandOver | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.world_size = world_size
         self.serialize = serialize
         self.error: BaseException | None = None
         self.finished = threading.Event()
-        self._switch_out = switch_out
-        self._switch_in = switch_in
+        self._save = handover.save if handover is not None else _nothing
+        self._load = handover.load if handover is not None else _nothing
         self._state = [_READY] * world_size
         self._waiting: list[Waitable | None] = [None] * world_size
         # Each rank sleeps at its own doorbell (see _doorbell). Wake-ups are collected while
@@ -194,19 +206,21 @@ class Scheduler:
                 if not self.serialize:
                     self._signal(rank)
 
-    def resume(self, waitable: Waitable) -> None:
-        """Complete an idle ``waitable`` and let its waiters run (a session's next job).
+    def resume(self, waitable: Waitable, *, reload: bool = True) -> None:
+        """Complete an idle ``waitable`` and let its waiters run (a world's next call).
 
-        In serialize mode the lowest waiting rank gets the baton, and every rank loads
-        its own state when it next runs (the caller's was in place meanwhile).
+        In serialize mode the lowest waiting rank gets the baton. ``reload``: the caller's
+        state was in place meanwhile, so every rank loads its own when it next runs;
+        False for a call posted before any rank ran (the ranks' states are in place).
         """
         self.lock.acquire()
         try:
             self.raise_if_aborted()
             self.wake(waitable)
             if self.serialize:
-                self._last_ran = None
-                if self._holder is None:
+                if reload:
+                    self._last_ran = None
+                if self._holder is None and self._begun:
                     for rank, state in enumerate(self._state):
                         if state == _READY:
                             self._holder = rank
@@ -334,13 +348,13 @@ class Scheduler:
     def _resumed(self, rank: int) -> None:
         if self.serialize and self._last_ran != rank:
             self._last_ran = rank
-            self._switch_in[rank]()
+            self._load(rank)
 
     def _pass_baton(self, rank: int) -> None:
         if self._last_ran == rank:
             # a finished rank too: what it changed of the state ranks share (a filter, a hook
             # registered on its way out) must stay its own, not reach the next rank
-            self._switch_out[rank]()
+            self._save(rank)
         n = self.world_size
         for step in range(1, n + 1):
             nxt = (rank + step) % n

@@ -1,9 +1,16 @@
 """One simulated world: N rank threads, each with an initialized default process group.
 
-:func:`run` is the whole life of a world: start the rank threads, supervise them
-(timeouts), stop them, restore the process, and return or raise. Nothing a world
-touches outlives it: c10d's world and group registry are per rank thread, and the
-process-global state in :mod:`meshsim._process.state` is put back.
+A :class:`World` lives from :meth:`World.start` to :meth:`World.close` and runs
+:meth:`World.call` after call on every rank, as a torchrun job's processes run
+test after test. :func:`meshsim.run` is a world with one call; a session
+(:mod:`meshsim._engine.session`) keeps one across a pytest session. Nothing a world
+touches outlives it: c10d's world and group registry are per rank thread, every
+per-rank value is an entry of the hand-over registry, and the caller's process
+state (:mod:`meshsim._process.state`) is put back between calls and at the end.
+
+Observers are instruments (:mod:`meshsim._sim.instruments`) the world hands its
+rendezvous for each call: the findings (a world's own), a trace (``trace=`` or an
+open watch's), and whatever the open watches (:mod:`meshsim._observe.watch`) ask for.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +37,7 @@ from meshsim._base.errors import (
     WorldAborted,
     format_user_traceback,
 )
+from meshsim._base.waits import Waitable
 from meshsim._engine import affinity as _affinity
 from meshsim._engine import threads as _threads
 from meshsim._engine.interrupt import interrupt
@@ -36,16 +45,16 @@ from meshsim._engine.kinds import Ranks, ranks_for
 from meshsim._engine.scheduler import SAFETY_POLL, Scheduler
 from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
+from meshsim._observe.watch import looking_for_waste, open_watches
 from meshsim._process import patches as _patches
-from meshsim._process.leaks import Watch
-from meshsim._process.state import ProcessState, RankState
-from meshsim._sim.backend import (
-    BACKEND_NAME,
-    create_process_group,
-)
-from meshsim._sim.rendezvous import Rendezvous
+from meshsim._process import rng as _rng
+from meshsim._process import state as _state
+from meshsim._process.leaks import LeakCheck
+from meshsim._process.state import ProcessState
+from meshsim._sim.backend import BACKEND_NAME, create_process_group
+from meshsim._sim.rendezvous import NONE, Instrument, Instruments, Rendezvous
 
-__all__ = ["run"]
+__all__ = ["World", "run"]
 
 BACKENDS = ("sim", "gloo")
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
@@ -111,39 +120,40 @@ def run(
         DeadlockError: no rank could make progress, or the timeout expired.
         TypeError, ValueError: a bad argument.
     """
-    _check_args(fn, world_size, timeout, backend, num_threads)
     if redundant is not None and not isinstance(redundant, bool):
         raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
+    world = World(
+        world_size,
+        timeout=timeout,
+        backend=backend,
+        serialize=serialize,
+        gpu_paths=gpu_paths,
+        num_threads=num_threads,
+        redundant=redundant,
+    )
+    path = None
     if trace is not None:
-        _trace.checked_path(trace)
+        path = _trace.checked_path(trace)
         if backend != "sim":
             raise ValueError(
                 f"trace={str(trace)!r} draws a simulated world; backend={backend!r} ranks are not "
                 "seen by meshsim between their calls: use backend='sim'"
             )
-    world = _World(
-        fn,
-        world_size,
-        tuple(args),
-        dict(kwargs or {}),
-        timeout=timeout,
-        backend=backend,
-        serialize=serialize and backend == "sim",
-        gpu_paths=gpu_paths,
-        num_threads=num_threads,
-        redundant=redundant,
-        trace=trace,
-    )
-    return world.run()
+    _check_fn(fn)
+    return world.start(only=(fn, tuple(args), dict(kwargs or {})), trace=path).close()
 
 
-def _name_of(fn: Any) -> str:
+def name_of(fn: Any) -> str:
+    """What a trace and error messages call ``fn``."""
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _check_args(fn: Any, world_size: Any, timeout: Any, backend: Any, num_threads: Any) -> None:
+def _check_fn(fn: Any) -> None:
     if not callable(fn):
         raise TypeError(f"run() needs a callable to run on every rank, got {fn!r}")
+
+
+def _check_args(world_size: Any, timeout: Any, backend: Any, num_threads: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
@@ -163,149 +173,295 @@ def _check_args(fn: Any, world_size: Any, timeout: Any, backend: Any, num_thread
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
 
 
-class _World:
+@dataclass(frozen=True)
+class _Call:
+    """One call the ranks run: ``fn(*args, **kwargs)``, named ``name`` in traces."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    name: str
+    reseed: bool  # Python's or NumPy's global RNG changed in the caller since the last call
+
+
+class _Post(Waitable):
+    """Where ranks wait for call number k: completed once it is posted (``call`` None: the world's end)."""
+
+    idle = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call: _Call | None = None
+
+    def describe(self, rank: int) -> str:
+        return "done with this call, waiting for the next"
+
+    def missing(self) -> tuple[int, ...]:
+        return ()
+
+
+class World:
+    """One world of ``world_size`` rank threads, from :meth:`start` to :meth:`close`.
+
+    Args:
+        world_size: the number of ranks (1 or more).
+
+    Keyword args:
+        timeout, backend, serialize, gpu_paths, num_threads, redundant: as for
+            :func:`meshsim.run`.
+
+    Raises:
+        TypeError, ValueError: a bad argument.
+    """
+
     def __init__(
         self,
-        fn: Callable[..., Any],
         world_size: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
         *,
-        timeout: float,
-        backend: str,
-        serialize: bool,
-        gpu_paths: bool,
-        num_threads: int | None,
+        timeout: float = 60.0,
+        backend: str = "sim",
+        serialize: bool = True,
+        gpu_paths: bool = True,
+        num_threads: int | None = 1,
         redundant: bool | None = None,
-        trace: str | os.PathLike[str] | None = None,
-        traced: bool = True,
     ) -> None:
-        self.fn, self.args, self.kwargs = fn, args, kwargs
+        _check_args(world_size, timeout, backend, num_threads)
         self.world_size = world_size
         self.timeout = timeout
         self.group_timeout = datetime.timedelta(seconds=timeout)  # of the groups ranks make
         self.backend = backend
-        self.kind: Ranks = ranks_for(backend, serialize=serialize)
+        self.kind: Ranks = ranks_for(backend, serialize=serialize and backend == "sim")
+        self.serialize = serialize and backend == "sim"
         self.gpu_paths = gpu_paths
         self.num_threads = num_threads
-        self.workers, self.new_workers = _threads.take(world_size)
-        # Filled at the start with the ranks' states' own methods, not the world's: no
-        # reference cycle, so a world is freed when run() returns instead of by the
-        # garbage collector (~40 objects a world).
-        self.saves: list[Callable[[], None]] = []
-        self.loads: list[Callable[[], None]] = []
-        self.scheduler = Scheduler(
-            world_size,
-            [worker.bell for worker in self.workers],
-            serialize=serialize,
-            switch_out=self.saves,
-            switch_in=self.loads,
-        )
-        # wakes the caller when the last rank thread is through, not when the last
-        # rank finishes its function and is still tidying up
-        self.jobs = _threads.Countdown(world_size, also=self.scheduler.finished)
-        findings = _findings.enabled_by_default() if redundant is None else redundant
-        path = _trace.target(trace) if backend == "sim" and traced else None
-        self.tracer = _trace.Tracer(path, world_size, _name_of(fn)) if path is not None else None
-        self.rendezvous = Rendezvous(
-            self.scheduler, findings=findings and backend == "sim", tracer=self.tracer
-        )
+        self.redundant = redundant
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
-        self.num_threads_default = 1  # the caller's, for reused threads when num_threads is None
-        self.store: Store | None = None
         self.stuck: list[int] = []
+        self.started = self.closed = False
+        # set by start()
+        self.scheduler: Scheduler = None  # type: ignore[assignment]
+        self.rendezvous: Rendezvous = None  # type: ignore[assignment]
+        self.workers: list[_threads.Worker] = []
+        self.new_workers: list[_threads.Worker] = []
+        self.findings: _findings.Findings | None = None
+        self.store: Store | None = None
         self.cpu: int | None = None
         self.cpus: frozenset[int] | None = None  # where rank threads run
-        self.states: list[RankState] = []  # each rank's per-process state (serialize mode)
-        self.watch: Watch | None = None  # torch.distributed globals as the world started
+        self._allowed: frozenset[int] | None = None  # the caller's CPUs
+        self._saved: ProcessState | None = None  # the caller's state as the last call began
+        self._leaks: LeakCheck | None = None
+        self._posts: list[_Post] = []
+        self._idle = threading.Event()  # every rank that has not finished waits for the next call
+        self._calls = 0  # calls posted so far
+        self._env: dict[str, str | None] = {}  # what the ranks changed in the environment, kept across calls
+        self._num_threads_default = 1  # the caller's, for reused threads when num_threads is None
 
     # -- the caller's side ----------------------------------------------------------
 
-    def run(self) -> list[Any]:
-        allowed = self.place()
-        # The caller runs on the ranks' CPU too while the world lives: its hand-overs
-        # with them (the start, the end) then need no cross-CPU wake-up, which made a
-        # world's set-up and teardown ~1.5x slower on a 2-CPU VM. New rank threads
-        # inherit the pinning.
-        pinned = _affinity.pin(self.cpu, allowed)
-        try:
-            return self._run()
-        finally:
-            if pinned:
-                _affinity.unpin(allowed)
+    def start(
+        self,
+        *,
+        only: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None,
+        trace: os.PathLike[str] | None = None,
+    ) -> World:
+        """Install what worlds need, capture the caller's state and start the ranks; returns the world.
 
-    def place(self) -> frozenset[int] | None:
-        """Choose the CPU(s) rank threads run on; returns the caller's (see :meth:`pin_caller`)."""
+        The ranks set up their default process groups and wait for the first
+        :meth:`call`; this returns once they do, with the caller's own state in place.
+
+        Keyword args:
+            only: ``(fn, args, kwargs)``, the world's one call (``meshsim.run``): the
+                ranks run it right away and finish after it, with no wait in between;
+                :meth:`close` then returns its results.
+            trace: with ``only``: write its timeline to this file (``sim`` only).
+
+        Raises:
+            RuntimeError: the world was started before.
+            RankError, CollectiveMismatchError, DeadlockError: the ranks' set-up failed.
+        """
+        if self.started:
+            raise RuntimeError("this world was started already: a World runs once, from start() to close()")
+        self.started = True
+        saved = self._open()
+        try:
+            with self._pinned():
+                if only is not None:
+                    fn, args, kwargs = only
+                    name = name_of(fn)
+                    self._observe(name, trace)
+                    self._post(_Call(fn, args, kwargs, name, False), last=True, reload=False)
+                self._launch(saved)
+                if only is None:
+                    self.supervise(self._idle)
+        except BaseException as exc:  # KeyboardInterrupt in the caller
+            self.scheduler.abort(exc)
+            self.close()
+            raise
+        if only is None:
+            if self.scheduler.error is not None:
+                self.close()  # raises what stopped the world's set-up
+            saved.restore()  # the caller's own state until the first call
+        return self
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        traced: bool = True,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns each rank's result, in rank order.
+
+        Between calls the caller's own process state is in place; what the caller
+        changes meanwhile, every rank takes at the call (as torchrun would have done
+        it in every process). A call that fails on any rank ends the world, as a
+        failure ends a torchrun job.
+
+        Keyword args:
+            name: what a trace calls the call (``fn``'s name by default).
+            traced: an open watch's tracer draws the call (False: a session's set-up replay).
+
+        Raises:
+            RankError, CollectiveMismatchError, DeadlockError: as :func:`meshsim.run`.
+            RuntimeError: the world is not running.
+        """
+        if not self.started or self.closed or (self._calls and self._posts[self._calls - 1].call is None):
+            raise RuntimeError("call() needs a running world: start() it first; a failed call ends it")
+        previous = self._saved
+        assert previous is not None  # start() captured it
+        saved = self._saved = ProcessState.capture(previous.slots)
+        reseed = saved.reseeds(previous)
+        _state.apply_environ_changes(self._env)
+        if self.serialize:
+            _state.set_world_environment(self.world_size)
+        label = name or name_of(fn)
+        self._observe(label, None, traced=traced)
+        try:
+            with self._pinned():
+                self._post(_Call(fn, tuple(args), dict(kwargs or {}), label, reseed), last=False, reload=True)
+                self.supervise(self._idle)
+        except BaseException as exc:  # KeyboardInterrupt in the caller
+            self.scheduler.abort(exc)
+            self.close()
+            raise
+        if self.scheduler.error is not None:
+            self.close()  # raises what made the call fail
+        self._finish_call()
+        self._env = {**self._env, **_state.environ_changes(saved.environ)}
+        saved.restore()
+        return list(self.results)
+
+    def close(self) -> list[Any]:
+        """End the world, letting every rank finish; returns the last call's results, or raises what failed.
+
+        A no-op (returning the last results) once the world is closed.
+        """
+        if self.closed or not self.started:
+            return self.outcome() if self.started else []
+        self.closed = True
+        saved = self._saved
+        assert saved is not None
+        try:
+            with self._pinned():
+                try:
+                    if self.scheduler.error is None and not self._ending():
+                        saved = ProcessState.capture(saved.slots)  # the caller's state now, to put back
+                        _state.apply_environ_changes(self._env)
+                        self._post(None, last=False, reload=True)
+                    self.supervise(self.scheduler.finished)
+                except BaseException as exc:
+                    self.scheduler.abort(exc)
+                    raise
+                finally:
+                    self._stop()
+                    self._finish_call()  # once every rank is through: their last events are in
+                    saved.restore()
+        finally:
+            _patches.uninstall()
+        if self._leaks is not None:
+            self._leaks.report()
+        return self.outcome()
+
+    def supervise(self, until: threading.Event) -> None:
+        """Check the world's timeout and nudge parked ranks until ``until`` or the world's end."""
+        poll = min(0.05, self.timeout / 10)
+        scheduler = self.scheduler
+        nudged = time.monotonic()
+        while not until.wait(poll):
+            if scheduler.finished.is_set():
+                return
+            scheduler.check_timeout(self.timeout)
+            nudged = _nudge_every_second(scheduler, nudged)
+
+    def outcome(self) -> list[Any]:
+        """Each rank's result of the last call, or raise what made the world fail."""
+        error = self.scheduler.error
+        if error is None:
+            return self.results
+        if isinstance(error, RankError):
+            error = self._rank_error()
+        if self.stuck and isinstance(error, MeshError):
+            error.add_note(
+                f"meshsim could not stop rank thread(s) {self.stuck}: they are blocked outside "
+                "Python (e.g. in time.sleep or a C library) and were left as daemon threads"
+            )
+        raise error
+
+    # -- internals of the caller's side ---------------------------------------------
+
+    def _pinned(self) -> _Pinning:
+        return _Pinning(self)
+
+    def _place(self) -> frozenset[int] | None:
+        """Choose the CPU(s) rank threads run on; returns the caller's."""
         allowed = _affinity.affinity()  # read once: each affinity system call costs a few microseconds
-        self.cpu = self._rank_cpu(allowed) if self.scheduler.serialize else None
+        self.cpu = self._rank_cpu(allowed) if self.serialize else None
         self.cpus = frozenset({self.cpu}) if self.cpu is not None else allowed
         return allowed
 
-    def _run(self) -> list[Any]:
-        saved = self.open()
-        try:
-            try:
-                self._supervise()
-            except BaseException as exc:  # KeyboardInterrupt in the caller
-                self.scheduler.abort(exc)
-                raise
-        finally:
-            self.close(saved)
-            if self.tracer is not None:
-                self.finish_trace(self.tracer)
-        return self._outcome()
-
-    def finish_trace(self, tracer: _trace.Tracer) -> None:
-        """Write the trace, with the world's error on the process if no rank raised it."""
-        error = self.scheduler.error
-        if error is not None and not tracer.failed:  # no rank raised it: a timeout, a deadlock
-            tracer.error(None, error)
-        tracer.write()
-
-    def open(self) -> ProcessState:
-        """Install what worlds need, capture the caller's state and start the ranks; returns that state."""
+    def _open(self) -> ProcessState:
+        """Install the patches, capture the caller's state, and make the scheduler and the rendezvous."""
+        self.workers, self.new_workers = _threads.take(self.world_size)
         # Patches first: they declare the per-rank state of integrated projects already
         # loaded, which the caller's state then includes.
         _patches.install(BACKEND_NAME, create_process_group)
         try:
-            self.watch = Watch()
-            saved = ProcessState.capture()
-            self.num_threads_default = saved.num_threads
-            try:
-                self._start(saved)
-            except BaseException as exc:
-                self.scheduler.abort(exc)
-                self._stop()
-                saved.restore()
-                raise
+            self._leaks = LeakCheck()
+            saved = self._saved = ProcessState.capture()
+            self._num_threads_default = saved.num_threads
+            self.scheduler = Scheduler(
+                self.world_size,
+                [worker.bell for worker in self.workers],
+                serialize=self.serialize,
+                handover=saved.slots if self.serialize else None,
+            )
+            self.scheduler.on_idle = self._idle.set
+            self.rendezvous = Rendezvous(self.scheduler)
+            if self.backend == "sim" and looking_for_waste(self.redundant, _findings.enabled_by_default()):
+                self.findings = _findings.Findings()
+            # wakes the caller when the last rank thread is through, not when the last
+            # rank finishes its function and is still tidying up
+            self.jobs = _threads.Countdown(self.world_size, also=self.scheduler.finished)
         except BaseException:
+            self.closed = True
+            _threads.give_back(self.workers)
             _patches.uninstall()
             raise
         return saved
 
-    def close(self, saved: ProcessState) -> None:
-        """Wait for (or stop) the ranks and put the caller's state back; the world's end."""
-        try:
-            self._stop()
-            saved.restore()
-        finally:
-            _patches.uninstall()
-        if self.watch is not None:
-            self.watch.report()
-
-    def _start(self, caller: ProcessState) -> None:
+    def _launch(self, caller: ProcessState) -> None:
+        """Start the rank threads; rank 0 (every rank, unserialized) runs at once."""
         self.kind.prepare()  # after the caller's state was captured: close() puts it back
         self.store = self.kind.store(self.scheduler)
-
-        if self.scheduler.serialize:
-            self.states = states = RankState.fresh(self.world_size, caller)
-            self.saves[:] = [state.save for state in states]
-            self.loads[:] = [state.load for state in states]
-            states[0].load_world_env()
+        if self.serialize:
+            caller.slots.start(self.world_size)
+            _state.set_world_environment(self.world_size)
         for rank, worker in enumerate(self.workers):
             worker.assign(functools.partial(self._rank_main, rank), self.jobs, f"meshsim-rank-{rank}")
-        for worker in self.new_workers:  # they inherit the caller's pinning (run)
+        for worker in self.new_workers:  # they inherit the caller's pinning
             worker.cpus = self.cpus
             worker.thread.start()
         self.scheduler.begin()
@@ -322,19 +478,66 @@ class _World:
                     return cpu  # moving threads to another CPU costs ~25 us each
         return _affinity.current_cpu(allowed)
 
-    def _supervise(self) -> None:
-        self.supervise(self.scheduler.finished)
+    def _observe(self, name: str, trace: os.PathLike[str] | None, *, traced: bool = True) -> None:
+        """Hand the rendezvous this call's instruments: the world's findings, and a tracer if it is drawn."""
+        watches = open_watches()
+        tracer = None
+        if self.backend == "sim" and traced:
+            if trace is not None:
+                tracer = _trace.Tracer(trace, self.world_size, name)  # type: ignore[arg-type]
+            else:
+                for watch in watches:
+                    if watch.tracer is not None:
+                        tracer = watch.tracer(name, self.world_size)
+        instruments: list[Instrument] = []
+        findings = self.findings
+        if findings is not None:
+            findings.sinks = [watch.findings for watch in watches if watch.findings is not None]
+            findings.looking = tracer is not None
+            instruments.append(findings)
+        if tracer is not None:
+            instruments.append(tracer)
+        self.rendezvous.instruments = Instruments(instruments) if instruments else NONE
 
-    def supervise(self, until: threading.Event) -> None:
-        """Check the world's timeout and nudge parked ranks until ``until`` or the world's end."""
-        poll = min(0.05, self.timeout / 10)
-        scheduler = self.scheduler
-        nudged = time.monotonic()
-        while not until.wait(poll):
-            if scheduler.finished.is_set():
-                return
-            scheduler.check_timeout(self.timeout)
-            nudged = _nudge_every_second(scheduler, nudged)
+    def _post(self, call: _Call | None, *, last: bool, reload: bool) -> None:
+        """Post the next call (None: the world's end; ``last``: the end right after it).
+
+        ``reload``: the caller's state was in place since the ranks last ran, so the
+        rank that runs next loads its own (see :meth:`Scheduler.resume`).
+        """
+        entries = [call, None] if last and call is not None else [call]
+        with self.scheduler:
+            posts = [self._post_for(self._calls + i) for i in range(len(entries))]
+            for post, entry in zip(posts, entries):
+                post.call = entry
+            self._calls += len(entries)
+        self.results = [None] * self.world_size
+        self._idle.clear()
+        for post in posts:
+            self.scheduler.resume(post, reload=reload)
+
+    def _ending(self) -> bool:
+        """Whether the world's end is posted already."""
+        return bool(self._calls) and self._posts[self._calls - 1].call is None
+
+    def _post_for(self, k: int) -> _Post:
+        """Post number ``k``, made by whoever asks first (the caller, or a rank waiting for it). Lock held."""
+        while len(self._posts) <= k:
+            self._posts.append(_Post())
+        return self._posts[k]
+
+    def _finish_call(self) -> None:
+        """The call's end for its instruments: the world's error, if no rank raised it, and the trace."""
+        if self.rendezvous is None:  # type: ignore[comparison-overlap]  # start() failed early
+            return
+        instruments = self.rendezvous.instruments
+        error = self.scheduler.error
+        if error is not None and not isinstance(error, RankError):
+            for failed in instruments.failed:
+                failed(None, error)
+        for ended in instruments.ended:
+            ended()
+        self.rendezvous.instruments = NONE
 
     def _stop(self) -> None:
         """Wait for every rank's job; after an abort, interrupt ranks still running user code."""
@@ -345,7 +548,7 @@ class _World:
             if self.scheduler.error is None:
                 continue
             now = time.monotonic()
-            if now > self._give_up_at(start):
+            if now > self.kind.give_up_at(start, self.timeout):
                 break
             if now - start > _INTERRUPT_AFTER:
                 interrupted -= _patches.take_swallowed_interrupts()
@@ -364,27 +567,6 @@ class _World:
                 workers[rank].abandon()
         for worker in retire:
             worker.retire(_STOP_GRACE)
-
-    def _give_up_at(self, start: float) -> float:
-        """When a stopping world stops waiting for its rank threads and leaves them behind."""
-        return self.kind.give_up_at(start, self.timeout)
-
-    def outcome(self) -> list[Any]:
-        """Each rank's result, or raise what made the world fail."""
-        return self._outcome()
-
-    def _outcome(self) -> list[Any]:
-        error = self.scheduler.error
-        if error is None:
-            return self.results
-        if isinstance(error, RankError):
-            error = self._rank_error()
-        if self.stuck and isinstance(error, MeshError):
-            error.add_note(
-                f"meshsim could not stop rank thread(s) {self.stuck}: they are blocked outside "
-                "Python (e.g. in time.sleep or a C library) and were left as daemon threads"
-            )
-        raise error
 
     def _rank_error(self) -> RankError:
         own = [(rank, exc) for rank, exc, _ in self.failures]
@@ -407,60 +589,83 @@ class _World:
 
     def _rank_body(self, rank: int) -> None:
         here = current()
-        context = here.seat = Seat(rank, self.world_size, self.scheduler, self.rendezvous)
-        context.init_default = self._init_process_group
+        seat = here.seat = Seat(rank, self.world_size, self.scheduler, self.rendezvous)
+        seat.init_default = self._init_process_group
         # per thread; ProcessState restores the default. None: what a new thread gets.
-        num_threads = self.num_threads if self.num_threads is not None else self.num_threads_default
+        num_threads = self.num_threads if self.num_threads is not None else self._num_threads_default
         if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
         # Serialized ranks never run at once, so one core loses nothing, and keeps
         # torch's per-thread state warm in one cache across hand-overs (torch calls
         # right after a hand-over ran ~3x slower without it). New threads start
-        # pinned (see run); a reused one may come from a world pinned elsewhere.
+        # pinned (see start); a reused one may come from a world pinned elsewhere.
         self.workers[rank].pin(self.cpus)
         outcome = "stopped: the world failed"
         try:
             self.scheduler.start(rank)
-            outcome = self.kind.run(functools.partial(self._call_fn, rank, context))
+            outcome = self.kind.run(functools.partial(self._serve, rank, seat))
         except WorldAborted:
             pass
         finally:
             here.seat = None
             self.scheduler.finish(rank, outcome)
 
-    def _call_fn(self, rank: int, context: Seat) -> str:
-        """Run the rank's function between its process groups' set-up and teardown; returns how it ended."""
+    def _serve(self, rank: int, seat: Seat) -> str:
+        """Run the world's calls between the rank's default group's set-up and teardown; says how it ended."""
         # The failure is recorded before the process groups are torn down: on gloo,
         # tearing down closes sockets, and the peers' resulting errors must not be
         # mistaken for the first failure.
-        tracer = self.tracer
-        start = tracer.now() if tracer is not None else 0.0
         outcome = "stopped: the world failed"
         try:
-            self._init_process_group(context)
-            self.results[rank] = self.fn(*self.args, **self.kwargs)
-            outcome = "finished: its function returned"
+            self._init_process_group(seat)
+            k = 0
+            while True:
+                call = self._next_call(rank, k)
+                if call is None:
+                    return outcome
+                k += 1
+                outcome = self._run_call(rank, call)
         except WorldAborted as exc:
-            self._let_go(exc)
-        except BaseException as exc:
-            if self.tracer is not None:  # (a session's world is traced call by call)
-                self.tracer.error(rank, exc)
-            self._rank_failed(rank, exc)
-            self._let_go(exc)
-            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            self.kind.let_go(exc)
+            return "stopped: the world failed"
         finally:
-            self._destroy_process_groups()
-            if tracer is not None:
-                tracer.rank_function(rank, _name_of(self.fn), start, outcome)
+            self.kind.destroy_groups()
+
+    def _next_call(self, rank: int, k: int) -> _Call | None:
+        scheduler = self.scheduler
+        with scheduler:
+            post = self._post_for(k)
+        scheduler.wait(rank, post)
+        return post.call
+
+    def _run_call(self, rank: int, call: _Call) -> str:
+        """Run ``call`` on ``rank``: its result, or the failure that stops the world."""
+        instruments = self.rendezvous.instruments
+        for started in instruments.rank_started:
+            started(rank, call.name)
+        outcome = "stopped: the world failed"
+        try:
+            if call.reseed:
+                _rng.enter_rank()  # draw afresh from the caller's newly seeded generators
+            self.results[rank] = call.fn(*call.args, **call.kwargs)
+            outcome = "finished: its function returned"
+        except WorldAborted:
+            raise
+        except BaseException as exc:
+            for failed in instruments.failed:
+                failed(rank, exc)
+            self._rank_failed(rank, exc)
+            self.kind.let_go(exc)
+            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            raise WorldAborted() from None
+        finally:
+            for finished in instruments.rank_finished:
+                finished(rank, call.name, outcome)
         return outcome
 
-    def _init_process_group(self, context: Seat) -> None:
+    def _init_process_group(self, seat: Seat) -> None:
         assert self.store is not None  # made at the world's start
-        self.kind.init_default_group(context, self.store, self.timeout)
-
-    def _destroy_process_groups(self) -> None:
-        """Tear down this rank thread's c10d state (a no-op if the user already did)."""
-        self.kind.destroy_groups()
+        self.kind.init_default_group(seat, self.store, self.timeout)
 
     def _rank_failed(self, rank: int, exc: BaseException) -> None:
         if isinstance(exc, (CollectiveMismatchError, DeadlockError)):
@@ -472,9 +677,28 @@ class _World:
         self.failures.append((rank, exc, text))
         self.scheduler.abort(RankError(rank, self.world_size, text))
 
-    def _let_go(self, exc: BaseException) -> None:
-        """Drop what a failed or stopped rank's frames hold that keeps its groups open (gloo)."""
-        self.kind.let_go(exc)
+
+class _Pinning:
+    """The caller runs on the ranks' CPU while it waits on them.
+
+    Its hand-overs with them (a call's start and end) then need no cross-CPU
+    wake-up, which made a world's set-up and teardown ~1.5x slower on a 2-CPU VM.
+    New rank threads inherit the pinning.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.pinned = False
+
+    def __enter__(self) -> None:
+        world = self.world
+        if world._allowed is None and world.cpus is None:
+            world._allowed = world._place()
+        self.pinned = _affinity.pin(world.cpu, world._allowed)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.pinned:
+            _affinity.unpin(self.world._allowed)
 
 
 def _nudge_every_second(scheduler: Scheduler, last: float) -> float:

@@ -3,12 +3,13 @@
 A simulated world sees every rank's payload when the last rank arrives at a
 collective, before any data moves; there it asks the call's description
 (:mod:`meshsim._sim.collectives`, ``wasted``) and compares small calls with the group's
-earlier ones (:class:`Repeats`). A call found wasted carries the reason in every
-rank's ledger entry (``Collective.redundant``) and is reported to whoever collects
-findings (:func:`collecting`; the pytest plugin, per test).
+earlier ones (:class:`Repeats`): the :class:`Findings` instrument. A call found
+wasted carries the reason in every rank's ledger entry (``Collective.redundant``) and
+is reported to whoever collects findings (a :class:`meshsim._observe.watch.Watch`:
+:func:`collecting`, or the pytest plugin, per test).
 
 A world looks only where a finding can be seen: at calls some rank records in a
-ledger (:func:`meshsim.record`), or while a collector is open. A repeat of a call made
+ledger (:func:`meshsim.record`), or while a collector is open or a trace is drawn. A repeat of a call made
 while nobody looked is not found (the rule misses it; it never flags wrongly).
 
 Only the ``sim`` backend finds them: gloo and NCCL ranks do not see each other's
@@ -20,18 +21,22 @@ redundant=False)``, turns the checks off.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshsim._observe.watch import Watch, watching
 from meshsim._sim import movement as mv
 from meshsim._sim.collectives import nbytes
+from meshsim._sim.rendezvous import Instrument
 
-__all__ = ["Finding", "Repeats", "collecting", "enabled_by_default", "report", "wanted"]
+if TYPE_CHECKING:
+    from meshsim._sim.rendezvous import Call, Slot
+
+__all__ = ["Finding", "Findings", "Repeats", "collecting", "enabled_by_default"]
 
 # Calls are compared with the group's earlier calls only when every rank contributes at
 # most this many bytes: shape and metadata exchanges, which meshsim copies to compare.
@@ -67,33 +72,68 @@ def enabled_by_default() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
-_sinks: list[list[Finding]] = []
-_lock = threading.Lock()
-
-
 @contextmanager
 def collecting() -> Iterator[list[Finding]]:
-    """Collect the findings of every world while the block runs (any thread's), in order."""
+    """Collect the findings of every world's calls while the block runs (any thread's), in order."""
     found: list[Finding] = []
-    with _lock:
-        _sinks.append(found)
-    try:
+    with watching(Watch(findings=found)):
         yield found
-    finally:
-        with _lock:
-            _sinks.remove(found)
 
 
-def wanted() -> bool:
-    """Whether any :func:`collecting` block is open (a finding's call site is looked up only then)."""
-    return bool(_sinks)
+class Findings(Instrument):
+    """The instrument that finds wasted calls, as the last rank arrives and before the data moves.
+
+    It looks only where a finding can be seen: at calls some rank records in a ledger,
+    while a trace draws the world (``looking``), or while a :class:`Watch` collects
+    (``sinks``, set by the world for each of its calls). A found call's reason goes
+    into every recording rank's ledger entry (``Collective.redundant``), into the slot
+    (a trace shows it) and to the sinks.
+    """
+
+    def __init__(self) -> None:
+        self.looking = False
+        self.sinks: list[list[Finding]] = []
+        self._repeats: dict[str, Repeats] = {}  # per group, for the world's life
+
+    def completed(self, slot: Slot) -> None:
+        group = slot.group
+        if group.size < 2:  # a group of one rank: its collectives are local copies on NCCL too
+            return
+        calls = [c for c in slot.calls if c is not None]
+        if not (self.looking or self.sinks or any(c.entry is not None for c in calls)):
+            return
+        repeats = self._repeats.get(group.name)
+        if repeats is None:
+            repeats = self._repeats[group.name] = Repeats()
+        reason = _waste(slot, calls, repeats)
+        if reason is None:
+            return
+        slot.wasted = reason
+        for call in calls:
+            call.mark(reason)
+        if self.sinks:
+            first = calls[0]
+            finding = Finding(first.op, first.payload.api, group.ranks, slot.seq, first.site, reason)
+            for sink in self.sinks:
+                sink.append(finding)
 
 
-def report(finding: Finding) -> None:
-    """Hand ``finding`` to every open :func:`collecting` block."""
-    with _lock:
-        for sink in _sinks:
-            sink.append(finding)
+def _waste(slot: Slot, calls: list[Call], repeats: Repeats) -> str | None:
+    """Why the slot's call tells no rank anything new, or None."""
+    payloads = [c.payload for c in calls]
+    kind = type(payloads[0])
+    mine = payloads[0].contributed()
+    rule = kind.wasted
+    # every rule needs the same bytes from every rank: two ranks that differ rule them all out
+    if rule is not None and not mv.surely_differ(mine, payloads[1].contributed()):
+        reason = rule(payloads)
+        if reason is not None:
+            return reason
+    # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
+    if not mine or nbytes(mine) > REPEAT_LIMIT:
+        return None  # only small calls are remembered (rank 0's size rules out most; check() sees all)
+    key = (kind, payloads[0].api, calls[0].signature)
+    return repeats.check(key, slot.seq, [p.contributed() for p in payloads])
 
 
 class Repeats:

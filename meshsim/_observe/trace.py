@@ -12,8 +12,10 @@ Times are the simulation's wall clock, in microseconds from the world's start.
 Simulated ranks take turns on one CPU, so a slice shows order and waiting, not what
 the call would take on a GPU.
 
-Who writes where: ``meshsim.run(..., trace="world.json")`` names the file; the
-pytest plugin's ``--mesh-trace=DIR`` names one per test (:func:`per_test`).
+A :class:`Tracer` is an instrument of the world (:mod:`meshsim._sim.instruments`)
+for one of its calls. Who writes where: ``meshsim.run(..., trace="world.json")`` names
+the file; the pytest plugin's ``--mesh-trace=DIR`` names one per test, through a
+:class:`meshsim._observe.watch.Watch`.
 """
 
 from __future__ import annotations
@@ -22,32 +24,31 @@ import itertools
 import json
 import os
 import re
-import threading
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshsim._base.errors import WorldAborted
+from meshsim._sim.rendezvous import Instrument
 
 if TYPE_CHECKING:
     from meshsim._sim.rendezvous import Call, GroupState, Slot
 
-__all__ = ["Tracer", "checked_path", "per_test", "target"]
+__all__ = ["Tracer", "checked_path", "file_name"]
 
 _PID = 1  # one process: the world
 
 
-class Tracer:
-    """The events of one world, appended by its rank threads as they go."""
+class Tracer(Instrument):
+    """The events of one world's call, appended by its rank threads as they go; written at its end."""
 
     def __init__(self, path: Path, world_size: int, name: str) -> None:
         self.path = path
         self._start = time.perf_counter_ns()
+        self._began = [0.0] * world_size  # when each rank started the call
         self._flows = itertools.count(1)
-        self.failed = False  # an error event was added
+        self.has_error = False  # an error event was added
         self.events: list[dict[str, Any]] = [
             _meta("process_name", None, {"name": f"meshsim world: {name} on {world_size} ranks"}),
         ]
@@ -59,8 +60,12 @@ class Tracer:
         """Microseconds since the world started."""
         return (time.perf_counter_ns() - self._start) / 1000
 
-    def rank_function(self, rank: int, name: str, start: float, outcome: str) -> None:
+    def rank_started(self, rank: int, name: str) -> None:
+        self._began[rank] = self.now()
+
+    def rank_finished(self, rank: int, name: str, outcome: str) -> None:
         """The rank's function, from its start to now."""
+        start = self._began[rank]
         self.events.append(
             {
                 "name": name,
@@ -74,7 +79,10 @@ class Tracer:
             }
         )
 
-    def collective(
+    def arrived(self, rank: int, group: GroupState, call: Call) -> None:
+        call.arrived = self.now()
+
+    def released(
         self,
         rank: int,
         group: GroupState,
@@ -131,9 +139,11 @@ class Tracer:
         self.events.append({**common, "ph": "s", "ts": since, "tid": waiter})
         self.events.append({**common, "ph": "f", "bp": "e", "ts": arrived, "tid": last})
 
-    def error(self, rank: int | None, exc: BaseException) -> None:
+    def failed(self, rank: int | None, exc: BaseException) -> None:
         """``exc`` at this moment, on ``rank``'s track (or the process's when None)."""
-        self.failed = True
+        if rank is None and self.has_error:
+            return  # a rank raised it: its event says so
+        self.has_error = True
         text = f"{type(exc).__name__}: {exc}"
         event: dict[str, Any] = {
             "name": f"error: {type(exc).__name__}",
@@ -148,7 +158,7 @@ class Tracer:
             event["tid"] = rank
         self.events.append(event)
 
-    def write(self) -> None:
+    def ended(self) -> None:
         """Write the trace; a file that cannot be written is a warning, not the world's failure."""
         document = {
             "displayTimeUnit": "ms",
@@ -182,38 +192,7 @@ def checked_path(trace: object) -> Path:
     return path
 
 
-# -- one file per test (pytest --mesh-trace=DIR) --------------------------------------------
-
-_lock = threading.Lock()
-_test: list[tuple[Path, str, itertools.count[int]]] = []  # the test running now, if any
-
-
-@contextmanager
-def per_test(folder: Path, test_id: str) -> Iterator[None]:
-    """Worlds started while the block runs write ``folder/<test id>.json`` (then ``-2``, ``-3``...)."""
-    entry = (folder, _file_name(test_id), itertools.count(1))
-    with _lock:
-        _test.append(entry)
-    try:
-        yield
-    finally:
-        with _lock:
-            _test.remove(entry)
-
-
-def target(trace: object) -> Path | None:
-    """Where a world's trace goes: ``trace`` when given, else the running test's next file."""
-    if trace is not None:
-        return checked_path(trace)
-    with _lock:
-        if not _test:
-            return None
-        folder, stem, worlds = _test[-1]
-        n = next(worlds)
-    return folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
-
-
-def _file_name(test_id: str) -> str:
+def file_name(test_id: str) -> str:
     """A test id as a file name: path separators and brackets become safe characters."""
     name = re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", test_id.replace("::", "."))
     return name.strip("_.")[:200] or "test"

@@ -1,7 +1,7 @@
 """Per-rank state of the code ranks run, declared when (and only when) that code loads.
 
 What a process owns once and a test may change inside a rank is per rank
-(:mod:`meshsim._process.perrank`), swapped at every hand-over:
+(:mod:`meshsim._process.handover`), swapped at every hand-over:
 
 - ``warnings``: the filters, ``showwarning`` and its implementation, the default
   action and the once-registry, so that ``warnings.catch_warnings`` and
@@ -24,7 +24,7 @@ loaded as a world starts, or as it finishes loading while a world runs (an impor
 hook, installed only while worlds run). Ranks start from shallow copies of the
 caller's values (as after a fork; hook tables hold functions bound to live objects);
 empty hook tables and the warnings state start as one copy every rank shares until a
-rank changes it (see :class:`meshsim._process.perrank.WorldSlots`).
+rank changes it (see :class:`meshsim._process.handover.WorldSlots`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from meshsim._process.perrank import declare, declared, per_rank
+from meshsim._process.handover import declare, declared, per_rank
 
 __all__ = ["ImportHook", "install"]
 

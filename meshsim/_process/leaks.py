@@ -22,7 +22,7 @@ from typing import Any
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.errors import StateLeakWarning
 
-__all__ = ["Watch"]
+__all__ = ["LeakCheck"]
 
 _PREFIX = "torch.distributed"
 _SIMPLE = (bool, int, float, str, type(None))
@@ -60,7 +60,7 @@ class _Names:
 _NAMES = _Names()
 
 
-class Watch:
+class LeakCheck:
     """The watched globals' values as a world starts; :meth:`report` warns about those it changed."""
 
     def __init__(self) -> None:

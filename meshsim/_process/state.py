@@ -1,9 +1,12 @@
-"""Process-global state: what a world must hand back untouched, and what each rank owns.
+"""Process-global state: what a world must hand back untouched, and what each rank owns of it.
 
-Real ranks are separate processes: each has its own RNG, environment and
-default dtype. Rank threads share one process, so with cooperative scheduling
-the world swaps these per rank at every hand-over (:class:`RankState`), and
-puts the caller's values back when the world ends (:class:`ProcessState`).
+Real ranks are separate processes: each has its own RNG, environment and default
+dtype. Rank threads share one process, so what each rank owns of it (torch's CPU
+and CUDA RNGs, the default dtype, ``RANK`` and ``LOCAL_RANK``) is declared here as
+entries of the hand-over registry (:mod:`meshsim._process.handover`), swapped per
+rank at every hand-over with every other per-rank value. What only the caller owns
+(hooks, Python's RNG, thread count, deterministic mode, the environment, forward-AD
+levels) :class:`ProcessState` captures before a world and puts back after it.
 """
 
 from __future__ import annotations
@@ -20,85 +23,75 @@ import torch
 from torch.autograd import forward_ad
 
 from meshsim._process import rng as _rng
-from meshsim._process.perrank import WorldSlots
+from meshsim._process.handover import WorldSlots, declare_accessor
 
-__all__ = ["ProcessState", "RankState"]
+__all__ = ["ProcessState", "set_world_environment"]
 
-# Without CUDA in the build there is no CUDA RNG to swap: spares a check at every hand-over.
-_CUDA_BUILT = bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
+
+def _set_dtype(dtype: torch.dtype) -> None:
+    if torch.get_default_dtype() != dtype:  # setting it costs more than the check
+        torch.set_default_dtype(dtype)
+
+
+def _declare_rank_state() -> None:
+    """Each rank's torch RNGs, default dtype and rank variables: entries of the hand-over registry."""
+    generator = torch.default_generator
+    declare_accessor(
+        "torch's CPU RNG",
+        get=generator.get_state,
+        set=generator.set_state,
+        moved=lambda before, now: not torch.equal(before, now),
+    )
+    # Without CUDA in the build there is no CUDA RNG: no entry, nothing to swap at hand-overs.
+    if torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
+        declare_accessor("torch's CUDA RNGs", get=_cuda_rng, set=_set_cuda_rng, moved=_cuda_rng_moved)
+    declare_accessor("the default dtype", get=torch.get_default_dtype, set=_set_dtype)
+    declare_accessor("RANK and LOCAL_RANK", get=None, set=_set_environ, start=lambda _, rank: _rank_env(rank))
 
 
 def _cuda_rng() -> list[torch.Tensor] | None:
-    if _CUDA_BUILT and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    """Every CUDA device's RNG state, once CUDA is in use (None before: nothing to swap)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return torch.cuda.get_rng_state_all()
     return None
 
 
-@dataclass
-class RankState:
-    """The per-process state of one simulated rank while it does not run."""
+def _set_cuda_rng(states: list[torch.Tensor] | None) -> None:
+    if states is not None:
+        torch.cuda.set_rng_state_all(states)
 
-    rank: int
-    world_size: int
-    rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
-    default_dtype: torch.dtype
-    rank_env: tuple[tuple[str, str], ...] = ()  # RANK, LOCAL_RANK
-    slots: WorldSlots | None = None  # the values declared per rank (meshsim.per_rank): every rank's
 
-    @classmethod
-    def fresh(cls, world_size: int, caller: ProcessState) -> list[RankState]:
-        """Every rank's starting state: the caller's RNG and dtype (as captured), as after a fork."""
-        rng, cuda_rng, dtype = caller.rng, caller.cuda_rng, caller.default_dtype
-        slots = caller.slots
-        slots.start(world_size)
-        env = _rank_env
-        return [cls(rank, world_size, rng, cuda_rng, dtype, env(rank), slots) for rank in range(world_size)]
+def _cuda_rng_moved(before: list[torch.Tensor] | None, now: list[torch.Tensor] | None) -> bool:
+    if now is None:
+        return False
+    return before is None or any(not torch.equal(a, b) for a, b in zip(before, now))
 
-    def save(self) -> None:
-        """Remember the process's current values as this rank's (runs at every hand-over)."""
-        self.rng = torch.default_generator.get_state()
-        if self.cuda_rng is not None or (_CUDA_BUILT and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-            self.cuda_rng = _cuda_rng()
-        self.default_dtype = torch.get_default_dtype()
-        if self.slots is not None:
-            self.slots.save(self.rank)
 
-    def load(self) -> None:
-        """Make this rank's values the process's current ones (runs at every hand-over)."""
-        torch.default_generator.set_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        if torch.get_default_dtype() != self.default_dtype:
-            torch.set_default_dtype(self.default_dtype)
-        _set_environ(self.rank_env)  # WORLD_SIZE and LOCAL_WORLD_SIZE are set once per world
-        if self.slots is not None:
-            self.slots.load(self.rank)
+def set_world_environment(world_size: int) -> None:
+    """Set the environment every rank of a world shares (at its start, and at a session's calls).
 
-    def load_world_env(self) -> None:
-        """Set the environment every rank shares (once, before any rank runs).
-
-        As torchrun sets it: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, and ``MASTER_ADDR`` /
-        ``MASTER_PORT`` where the caller has none (code written for torchrun reads them
-        before its ``init_process_group``, which a rank adopts).
-        """
-        _set_environ(_world_env(self.world_size))
-        if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
-            _set_environ(_MASTER_ENV)
+    As torchrun sets it: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, and ``MASTER_ADDR`` /
+    ``MASTER_PORT`` where the caller has none (code written for torchrun reads them
+    before its ``init_process_group``, which a rank adopts).
+    """
+    _set_environ(_world_env(world_size))
+    if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
+        _set_environ(_MASTER_ENV)
 
 
 @dataclass
 class ProcessState:
-    """The caller's process-global state, captured before a world and restored after it."""
+    """The caller's process-global state, captured before a world (or a session's call) and restored after it.
+
+    ``slots`` holds the caller's values of every hand-over entry (its RNGs and dtype
+    among them) and each rank's.
+    """
 
     excepthook: Any
     threading_excepthook: Any
-    rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
     py_random: Any
     num_threads: int
     deterministic: tuple[bool, bool]
-    default_dtype: torch.dtype
     environ: dict[Any, Any]
     forward_ad_level: int
     slots: WorldSlots
@@ -106,7 +99,11 @@ class ProcessState:
 
     @classmethod
     def capture(cls, slots: WorldSlots | None = None) -> ProcessState:
-        """The caller's state now; ``slots``: a session's, whose caller values are taken anew."""
+        """The caller's state now; ``slots``: a session's, whose caller values are taken anew.
+
+        Taken anew, the caller's values that changed since the last call go to every
+        rank (see :meth:`meshsim._process.handover.WorldSlots.recapture`).
+        """
         if slots is None:
             slots = WorldSlots()
         else:
@@ -114,12 +111,9 @@ class ProcessState:
         return cls(
             sys.excepthook,
             threading.excepthook,
-            torch.get_rng_state(),
-            _cuda_rng(),
             random.getstate(),
             torch.get_num_threads(),
             _deterministic(),
-            torch.get_default_dtype(),
             _environ_snapshot(),
             _forward_ad_level(),
             slots,
@@ -132,9 +126,6 @@ class ProcessState:
         # hundreds of worlds would nest it past the recursion limit.
         sys.excepthook = self.excepthook
         threading.excepthook = self.threading_excepthook
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
         random.setstate(self.py_random)
         # A rank thread's set_num_threads also changes the default of threads
         # created later in the process; setting it here restores both.
@@ -142,37 +133,16 @@ class ProcessState:
         if self.deterministic != _deterministic():
             enabled, warn_only = self.deterministic
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        if torch.get_default_dtype() != self.default_dtype:
-            torch.set_default_dtype(self.default_dtype)
         _restore_environ(self.environ)
         # dual levels a rank entered and never exited (the level is process-wide)
         while _forward_ad_level() > self.forward_ad_level:
             forward_ad.exit_dual_level()  # type: ignore[no-untyped-call]
 
-    def hand_to_ranks(self, previous: ProcessState, states: list[RankState]) -> bool:
-        """Give every rank what the caller changed since ``previous`` was put back.
+    def reseeds(self, previous: ProcessState) -> bool:
+        """Whether Python's or NumPy's global RNG changed in the caller since ``previous`` was put back.
 
-        Between a session's calls the pytest process runs function-scoped fixtures;
-        what they do to per-process state (seed the RNGs, set the default dtype),
-        torchrun would have done in every process: each rank takes it. Declared
-        per-rank values are handed on by :meth:`WorldSlots.recapture`.
-
-        Returns:
-            whether Python's or NumPy's global RNG changed: each rank then draws
-            afresh from it (see :func:`meshsim._process.rng.enter_rank`).
+        Each rank then draws afresh from it (see :func:`meshsim._process.rng.enter_rank`).
         """
-        rng = not torch.equal(self.rng, previous.rng)
-        cuda = self.cuda_rng is not None and (
-            previous.cuda_rng is None
-            or any(not torch.equal(a, b) for a, b in zip(self.cuda_rng, previous.cuda_rng))
-        )
-        for state in states:
-            if rng:
-                state.rng = self.rng
-            if cuda:
-                state.cuda_rng = self.cuda_rng
-            if self.default_dtype != previous.default_dtype:
-                state.default_dtype = self.default_dtype
         return bool(self.py_random != previous.py_random or self.numpy_rng != previous.numpy_rng)
 
 
@@ -277,3 +247,5 @@ def _restore_environ(saved: dict[Any, Any]) -> None:
 
 # What a rank's own environment holds (set at hand-overs and at the world's start).
 _RANK_KEYS = [key for pairs in (_rank_env(0), _world_env(1), _MASTER_ENV) for key, _ in pairs]
+
+_declare_rank_state()

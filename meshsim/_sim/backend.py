@@ -22,7 +22,6 @@ slot, which runs ``AllReduce.execute`` on every rank's description, computing wi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -254,18 +253,16 @@ class SimProcessGroup(dist.ProcessGroup):
         # The rank stays inside this call until every rank has arrived, which is whenever
         # an error needs the site: keep the adapter's frame, format it only then.
         frame = sys._getframe(1)
-        where: str | FrameType = frame
         seq = self._seq
         self._seq = seq + 1
-        entry = None
-        if self._ledgers:
+        ledgers = self._ledgers
+        if ledgers:
             entry = self._record(frame, payload, seq)
-            where = entry.site
-        call = Call(self._group_rank, payload, payload.signature(), where, entry is not None)
+            call = Call(self._group_rank, payload, payload.signature(), entry.site, entry, ledgers)
+        else:
+            call = Call(self._group_rank, payload, payload.signature(), frame)
         context = self._context
-        wasted = context.rendezvous.meet(self._group, seq, call, context.rank)
-        if wasted is not None and entry is not None:
-            self._mark(entry, wasted)
+        context.rendezvous.meet(self._group, seq, call, context.rank)
         if opts is not None and getattr(opts, "asyncOp", True) is False:
             return DONE  # dist.*(async_op=False) waits on this Work and drops it
         return completed(payload.result())
@@ -291,14 +288,6 @@ class SimProcessGroup(dist.ProcessGroup):
         )
         _ledger.append(entry)
         return entry
-
-    def _mark(self, entry: Collective, wasted: str) -> None:
-        """Give ``entry`` its reason in the open ledgers (the rank appended nothing since: it waited)."""
-        marked = dataclasses.replace(entry, redundant=wasted)
-        for ledger in self._ledgers:
-            calls = ledger.calls
-            if calls and calls[-1] is entry:
-                calls[-1] = marked
 
     # -- reductions -------------------------------------------------------------------
 

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from meshsim._base.errors import CollectiveMismatchError
-from meshsim._base.waits import Waitable
+from meshsim._base.waits import Blocking, Waitable
 from meshsim._observe import ledger as _ledger
 from meshsim._observe.ledger import Collective
 from meshsim._sim.collectives import descs, dtype_of, nbytes, write
-
-if TYPE_CHECKING:
-    from meshsim._engine.scheduler import Scheduler
 
 __all__ = ["Endpoint", "Mailbox", "Message", "PostedRecv"]
 
@@ -98,7 +95,7 @@ class Mailbox:
         self.queued: list[Message] = []
         self.posted: list[PostedRecv] = []
 
-    def send(self, message: Message, scheduler: Scheduler) -> None:
+    def send(self, message: Message, scheduler: Blocking) -> None:
         """Deliver ``message`` to a waiting receive, or queue it. Call with the lock held."""
         for recv in self.posted:
             if recv.matches(message):
@@ -107,7 +104,7 @@ class Mailbox:
                 return
         self.queued.append(message)
 
-    def post(self, recv: PostedRecv, scheduler: Scheduler) -> None:
+    def post(self, recv: PostedRecv, scheduler: Blocking) -> None:
         """Match ``recv`` with a queued message, or leave it waiting. Call with the lock held."""
         for message in self.queued:
             if recv.matches(message):
@@ -116,7 +113,7 @@ class Mailbox:
                 return
         self.posted.append(recv)
 
-    def _deliver(self, message: Message, recv: PostedRecv, scheduler: Scheduler) -> None:
+    def _deliver(self, message: Message, recv: PostedRecv, scheduler: Blocking) -> None:
         recv.source = message.src
         problem = recv.deliver(message, recv)
         if problem is not None:
@@ -148,7 +145,7 @@ class Endpoint:
     """
 
     def __init__(
-        self, mailbox: Mailbox, ranks: tuple[int, ...], group_rank: int, scheduler: Scheduler
+        self, mailbox: Mailbox, ranks: tuple[int, ...], group_rank: int, scheduler: Blocking
     ) -> None:
         self.mailbox = mailbox
         self.ranks = ranks

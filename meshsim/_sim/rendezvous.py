@@ -8,29 +8,43 @@ everyone (:mod:`meshsim._sim.collectives`). Point-to-point messages meet in each
 group's :class:`meshsim._sim.p2p.Mailbox`.
 
 This module knows calls' kinds and signatures but not their meaning.
+
+An observer of a world (:mod:`meshsim._observe`: the findings, a trace, next the
+cost estimate) is an :class:`Instrument`: it overrides the hooks it needs and is
+handed to the world. The rendezvous calls them at three moments of each collective:
+
+- :meth:`Instrument.arrived`: a rank reaches the call, in its thread, before it may block;
+- :meth:`Instrument.completed`: the last rank arrived and the calls fit together, before
+  any data moves (in-place calls still hold their inputs), in the last rank's thread,
+  with the scheduler's lock held;
+- :meth:`Instrument.released`: a rank leaves the call, in its thread (``error`` set when
+  the call failed for it).
+
+and the world at the start and end of each rank's share of a call, and when it fails.
+:class:`Instruments` keeps, per hook, only the instruments that override it, so a
+world with none pays one truth test per moment (as trio's ``Instruments`` do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from meshsim._base.errors import CollectiveMismatchError, WorldAborted
-from meshsim._base.waits import Waitable
-from meshsim._observe import findings as _findings
+from meshsim._base.waits import Blocking, Waitable
 from meshsim._observe.sites import site_of
-from meshsim._sim.collectives import Description, nbytes
-from meshsim._sim.movement import Problem, culprits, surely_differ
+from meshsim._sim.collectives import Description
+from meshsim._sim.movement import Problem, culprits
 from meshsim._sim.p2p import Mailbox
 
 if TYPE_CHECKING:
-    from meshsim._engine.scheduler import Scheduler
-    from meshsim._observe.trace import Tracer
+    from meshsim._observe.ledger import Collective, Ledger
 
-__all__ = ["Call", "GroupState", "Rendezvous", "Slot"]
+__all__ = ["NONE", "Call", "GroupState", "Instrument", "Instruments", "Rendezvous", "Slot"]
 
 _ADVICE = (
     "Every rank of a group must issue the same collectives on it, in the same order, "
@@ -48,7 +62,8 @@ class Call:
         signature: what must be equal on every rank (``payload.signature()``, taken once).
         where: ``file.py:LINE in function`` of the user's call, or the frame of the call, read
             only when needed (the rank is still inside its call whenever an error is built).
-        recording: whether the rank records the call in a ledger (which then shows its findings).
+        entry: the rank's ledger entry for the call, when it records one (an observer may
+            mark it: :meth:`mark`), and ``ledgers``, the rank's open ledgers that hold it.
         arrived: when the rank arrived, in a traced world (:mod:`meshsim._observe.trace`).
     """
 
@@ -56,7 +71,8 @@ class Call:
     payload: Description
     signature: tuple[Any, ...]
     where: str | FrameType
-    recording: bool = False
+    entry: Collective | None = None
+    ledgers: list[Ledger] | None = None
     arrived: float = 0.0
 
     @property
@@ -74,24 +90,35 @@ class Call:
             self.where = site_of(self.where)
         return self.where
 
+    def mark(self, wasted: str) -> None:
+        """Give the rank's ledger entry the reason the call was wasted, in every ledger that holds it.
+
+        Called while the rank waits in the call: it appended nothing since the entry.
+        """
+        entry = self.entry
+        if entry is None:
+            return
+        marked = dataclasses.replace(entry, redundant=wasted)
+        for ledger in self.ledgers or ():
+            calls = ledger.calls
+            if calls and calls[-1] is entry:
+                calls[-1] = marked
+        self.entry = marked
+
 
 def _label(ranks: tuple[int, ...]) -> str:
     return f"group {list(ranks)}"
 
 
 class GroupState:
-    """A process group as the whole world sees it: its ranks, open slots and mailbox.
+    """A process group as the whole world sees it: its ranks, open slots and mailbox."""
 
-    ``findings``: whether its calls are checked for waste (see :mod:`meshsim._observe.findings`).
-    """
-
-    def __init__(self, name: str, ranks: tuple[int, ...], findings: bool = False) -> None:
+    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
         self.name = name
         self.ranks = ranks
         self.size = len(ranks)
         self.slots: dict[int, Slot] = {}
         self.mailbox = Mailbox(ranks)  # not the group: no reference cycle
-        self.repeats: _findings.Repeats | None = _findings.Repeats() if findings and len(ranks) > 1 else None
 
     def label(self) -> str:
         return _label(self.ranks)
@@ -107,7 +134,7 @@ class Slot(Waitable):
         self.calls: list[Call | None] = [None] * group.size
         self.arrived = 0
         self.mismatch = False
-        self.wasted: str | None = None  # why the call told no rank anything new, when it did not
+        self.wasted: str | None = None  # why the call told no rank anything new (set by an instrument)
         self.last: Call | None = None  # the last rank's call: the one the others waited for
         self._first: Call | None = None
 
@@ -120,10 +147,11 @@ class Slot(Waitable):
         elif type(first.payload) is not type(call.payload) or first.signature != call.signature:
             self.mismatch = True
 
-    def complete(self, looking: bool = False) -> None:
+    def complete(self, completions: Sequence[Callable[[Slot], None]] = ()) -> None:
         """Check every rank's call, then move the data. All ranks have arrived.
 
-        ``looking``: someone sees this call's findings even if no rank records it (a trace).
+        ``completions``: the instruments' hooks, told before the data moves (in-place calls
+        overwrite their inputs).
         """
         calls = [c for c in self.calls if c is not None]
         if self.mismatch:
@@ -137,11 +165,8 @@ class Slot(Waitable):
                 f"the ranks' {calls[0].op} arguments do not fit together", problems
             )
             return
-        repeats = self.group.repeats
-        # before the data moves (in-place calls overwrite their inputs), and only where a finding
-        # can be seen: a rank's ledger, or a collector (the pytest plugin's, per test)
-        if repeats is not None and (looking or _findings.wanted() or any(c.recording for c in calls)):
-            self._find_waste(kind, calls, payloads, repeats)
+        for completed in completions:
+            completed(self)
         try:
             kind.execute(payloads)
         except Exception as exc:  # a bug in meshsim, or an input torch would reject
@@ -149,34 +174,6 @@ class Slot(Waitable):
                 f"meshsim could not carry out {self._where()} ({calls[0].text}): {exc!r}"
             )
             self.error.__cause__ = exc
-
-    def _find_waste(
-        self,
-        kind: type[Description],
-        calls: list[Call],
-        payloads: list[Description],
-        repeats: _findings.Repeats,
-    ) -> None:
-        first = calls[0]
-        mine = payloads[0].contributed()
-        rule = kind.wasted
-        # every rule needs the same bytes from every rank: two ranks that differ rule them all out
-        reason = None
-        if rule is not None and not surely_differ(mine, payloads[1].contributed()):
-            reason = rule(payloads)
-        if reason is None:
-            # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
-            if not mine or nbytes(mine) > _findings.REPEAT_LIMIT:
-                return  # only small calls are remembered (rank 0's size rules out most; check() sees all)
-            key = (kind, first.payload.api, first.signature)
-            reason = repeats.check(key, self.seq, [p.contributed() for p in payloads])
-            if reason is None:
-                return
-        self.wasted = reason
-        if _findings.wanted():
-            _findings.report(
-                _findings.Finding(first.op, first.payload.api, self.group.ranks, self.seq, first.site, reason)
-            )
 
     def describe(self, rank: int) -> str:
         call = self.calls[self.group.ranks.index(rank)]
@@ -251,13 +248,68 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+# -- instruments: what the rendezvous tells its observers -----------------------------------
+
+HOOKS = ("arrived", "completed", "released", "rank_started", "rank_finished", "failed", "ended")
+
+
+class Instrument:
+    """An observer of one world; every hook is optional (the base class's do nothing)."""
+
+    def arrived(self, rank: int, group: GroupState, call: Call) -> None:
+        """Global ``rank`` arrived at ``call`` on ``group``."""
+
+    def completed(self, slot: Slot) -> None:
+        """Every rank arrived at ``slot`` and the calls fit; the data has not moved yet."""
+
+    def released(
+        self, rank: int, group: GroupState, call: Call, slot: Slot | None, error: BaseException | None
+    ) -> None:
+        """Global ``rank`` leaves ``call``: completed (``slot``) or failed (``error``)."""
+
+    def rank_started(self, rank: int, name: str) -> None:
+        """``rank`` starts its part of the world's call ``name``."""
+
+    def rank_finished(self, rank: int, name: str, outcome: str) -> None:
+        """``rank`` is done with the call ``name``; ``outcome`` says how."""
+
+    def failed(self, rank: int | None, error: BaseException) -> None:
+        """``rank`` raised ``error``; ``None``: the world failed otherwise (a timeout, a deadlock)."""
+
+    def ended(self) -> None:
+        """The world's call is over (the instrument's last hook for it)."""
+
+
+class Instruments:
+    """The instruments of a world, as one bound-method list per hook (empty when none overrides it)."""
+
+    def __init__(self, instruments: Sequence[Instrument] = ()) -> None:
+        self.all = tuple(instruments)
+        hooks: dict[str, list[Callable[..., Any]]] = {}
+        for hook in HOOKS:
+            base = getattr(Instrument, hook)
+            hooks[hook] = [getattr(i, hook) for i in self.all if getattr(type(i), hook) is not base]
+        self.arrived = tuple(hooks["arrived"])
+        self.completed = tuple(hooks["completed"])
+        self.released = tuple(hooks["released"])
+        self.rank_started = tuple(hooks["rank_started"])
+        self.rank_finished = tuple(hooks["rank_finished"])
+        self.failed = tuple(hooks["failed"])
+        self.ended = tuple(hooks["ended"])
+
+    def __bool__(self) -> bool:
+        return bool(self.all)
+
+
+NONE = Instruments()
+
+
 @dataclass
 class Rendezvous:
-    """Every group of one world, by name."""
+    """Every group of one world, by name, and the world's instruments (told at every call)."""
 
-    scheduler: Scheduler
-    findings: bool = False  # check calls for waste (meshsim._observe.findings)
-    tracer: Tracer | None = None  # draws the world (meshsim._observe.trace)
+    scheduler: Blocking
+    instruments: Instruments = NONE
     groups: dict[str, GroupState] = field(default_factory=dict)
 
     def group(self, name: str, ranks: tuple[int, ...], caller: int) -> GroupState:
@@ -269,7 +321,7 @@ class Rendezvous:
         with self.scheduler:
             group = self.groups.get(name)
             if group is None:
-                group = self.groups[name] = GroupState(name, ranks, self.findings)
+                group = self.groups[name] = GroupState(name, ranks)
             elif group.ranks != ranks:
                 raise ValueError(
                     f"rank {caller} created process group {name!r} with ranks {list(ranks)}, "
@@ -279,32 +331,39 @@ class Rendezvous:
                 )
             return group
 
-    def meet(self, group: GroupState, seq: int, call: Call, rank: int) -> str | None:
+    def meet(self, group: GroupState, seq: int, call: Call, rank: int) -> None:
         """Join call ``seq`` on ``group`` as global ``rank``, and return once every rank has arrived.
 
         The last rank to arrive completes the call. One hold of the scheduler's lock
         covers the arrival and the wait, and the wake-ups go out as it is released.
 
-        Returns:
-            why the call told no rank anything new, when the group checks for that.
-
         Raises:
             CollectiveMismatchError: the ranks' calls do not fit together.
             WorldAborted: the world failed.
         """
-        tracer = self.tracer
-        if tracer is None:
-            return self._meet(group, seq, call, rank).wasted
-        call.arrived = tracer.now()
+        instruments = self.instruments
+        if not instruments.arrived and not instruments.released:
+            self._meet(group, seq, call, rank, instruments.completed)
+            return
+        for arrived in instruments.arrived:
+            arrived(rank, group, call)
         try:
-            slot = self._meet(group, seq, call, rank)
+            slot = self._meet(group, seq, call, rank, instruments.completed)
         except BaseException as exc:
-            tracer.collective(rank, group, call, None, exc)
+            for released in instruments.released:
+                released(rank, group, call, None, exc)
             raise
-        tracer.collective(rank, group, call, slot)
-        return slot.wasted
+        for released in instruments.released:
+            released(rank, group, call, slot, None)
 
-    def _meet(self, group: GroupState, seq: int, call: Call, rank: int) -> Slot:
+    def _meet(
+        self,
+        group: GroupState,
+        seq: int,
+        call: Call,
+        rank: int,
+        completions: Sequence[Callable[[Slot], None]],
+    ) -> Slot:
         scheduler = self.scheduler
         scheduler.lock.acquire()
         try:
@@ -317,7 +376,7 @@ class Rendezvous:
             if slot.arrived == group.size:
                 del group.slots[seq]
                 slot.last = call
-                slot.complete(self.tracer is not None)
+                slot.complete(completions)
                 scheduler.wake(slot)
         except BaseException:
             scheduler.lock.release()

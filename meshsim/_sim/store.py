@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch._C._distributed_c10d import Store as _CStore
 
-from meshsim._base.waits import Waitable
+from meshsim._base.waits import Blocking, Waitable
 from meshsim._observe.sites import call_site
-
-if TYPE_CHECKING:
-    from meshsim._engine.scheduler import Scheduler
 
 Store: Any = _CStore  # a class the stubs do not let mypy subclass
 
@@ -56,7 +53,7 @@ def _bytes(value: Any) -> bytes:
 class SimStore(Store):  # type: ignore[misc]
     """An in-memory store for one world; ``current_rank`` says which rank is calling."""
 
-    def __init__(self, scheduler: Scheduler, current_rank: Callable[[], int | None]) -> None:
+    def __init__(self, scheduler: Blocking, current_rank: Callable[[], int | None]) -> None:
         super().__init__()
         self._scheduler = scheduler
         self._current_rank = current_rank

@@ -132,8 +132,7 @@ def _woken_while_the_waker_waits(
     """Rank 0 (a thread) runs ``wait``; once it is blocked there, rank 1 (this thread) runs
     ``wake`` and then waits, outside the scheduler, for rank 0 to get through."""
     bells = [LockBell(), LockBell()]
-    nothing = [lambda: None] * 2
-    sched = Scheduler(2, bells, serialize=False, switch_out=nothing, switch_in=nothing)
+    sched = Scheduler(2, bells, serialize=False)
     wait, wake = make(sched)
     started, through = threading.Event(), threading.Event()
 

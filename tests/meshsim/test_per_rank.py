@@ -165,7 +165,7 @@ def test_without_a_declaration_the_value_is_shared() -> None:
 def test_a_declaration_made_inside_a_rank_joins_at_the_next_hand_over() -> None:
     state = types.ModuleType("late")
     state.VALUE = "pristine"
-    handles: list[meshsim._process.perrank.PerRankState] = []
+    handles: list[meshsim._process.handover.PerRankState] = []
 
     def body() -> tuple[str, str]:
         if dist.get_rank() == 0:

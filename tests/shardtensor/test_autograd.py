@@ -122,8 +122,10 @@ def test_from_local_backward_returns_one_gradient_per_input(distributed_mesh) ->
     st = ShardTensor.from_local(leaf, distributed_mesh, [Shard(0)], "chunk", global_shape=(4, 3))
     assert type(st.grad_fn).__name__ == "_FromLocalBackward"
     grads = st.grad_fn.apply(ShardTensor(torch.ones(2, 3, device=leaf.device), st._spec))
-    assert len(grads) == 5
-    assert torch.equal(grads[0], torch.ones_like(leaf)) and grads[1:] == (None,) * 4
+    # one per input: the local tensor's, then None for the mesh, placements, sharding_shapes,
+    # global_shape (upstream's five) and the ShardTensor class the result is made of
+    assert len(grads) == 6
+    assert torch.equal(grads[0], torch.ones_like(leaf)) and grads[1:] == (None,) * 5
 
 
 @pytest.mark.world(2)

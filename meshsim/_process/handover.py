@@ -1,10 +1,21 @@
-"""Per-rank state: process-wide values that each simulated rank owns, as real ranks (processes) do.
+"""The hand-over registry: every process-wide value that each simulated rank owns, as real ranks do.
 
-Rank threads share one process, so a class attribute, a module global or a
-singleton's attributes are one value for every rank. :func:`per_rank` declares
-such values per rank: in a serialized world (the ``sim`` backend) each rank has
-its own value, swapped in and out at every hand-over as the RNG is, and the
-caller's value is back when the world ends. This serves Borg and singleton
+Rank threads share one process, so a class attribute, a module global, a
+singleton's attributes, torch's RNG or the default dtype are one value for every
+rank. Each such value is an entry of one registry: in a serialized world (the
+``sim`` backend) each rank has its own value of every entry, the scheduler swaps
+them all at every hand-over (:meth:`WorldSlots.save` and :meth:`WorldSlots.load`,
+once each), and the caller's values are back when the world ends.
+
+Entries come from three places, one mechanism:
+
+- meshsim's own accessors (:func:`declare_accessor`): torch's CPU and CUDA RNGs, the
+  default dtype, ``RANK`` / ``LOCAL_RANK`` in the environment (:mod:`meshsim._process.state`);
+- the state of the code ranks run (:func:`declare`): warnings, module hooks,
+  torch.distributed flags, PhysicsNeMo's manager (:mod:`meshsim._process.integrations`);
+- the user's declarations (:func:`per_rank`).
+
+:func:`per_rank` is the user's way in. This serves Borg and singleton
 managers (PhysicsNeMo's ``DistributedManager``, Megatron-style ``parallel_state``
 module globals) and anything else a process owns once.
 
@@ -25,7 +36,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["PerRankState", "WorldSlots", "per_rank"]
+__all__ = ["PerRankState", "WorldSlots", "declare", "declare_accessor", "declared", "per_rank"]
 
 _ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
 
@@ -98,6 +109,10 @@ class _Slot:
             return [shared] * world_size
         return [self.start(caller) for _ in range(world_size)]
 
+    def moved(self, before: Any, now: Any) -> bool:
+        """Whether the caller's value changed between a session's calls (ranks then take it)."""
+        return now is not before
+
     def joined_late(self) -> Any:
         """The starting value of a rank (or the caller) when the slot joins a running world."""
         if self.fresh is not None:
@@ -125,6 +140,62 @@ def _label(owner: Any, name: str | None) -> str:
     else:
         where = f"<{type(owner).__qualname__} object>"
     return where if name is None else f"{where}.{name}"
+
+
+class _Accessor(_Slot):
+    """A per-rank value that only functions reach (torch's RNG state, the default dtype, ``RANK``).
+
+    ``get`` reads the process's current value (None: nothing to save, the rank's value
+    never changes: ``RANK``); ``set`` makes a value current; ``start(caller, rank)`` is
+    a rank's starting value; ``moved(before, now)`` says whether the caller's value
+    changed between a session's calls.
+    """
+
+    __slots__ = ("_moved", "_start", "getter", "setter")
+
+    def __init__(
+        self,
+        label: str,
+        get: Callable[[], Any] | None,
+        set: Callable[[Any], object],
+        start: Callable[[Any, int], Any],
+        moved: Callable[[Any, Any], bool],
+    ) -> None:
+        self.owner = self
+        self.name = label
+        self.label = label
+        self.fresh = None
+        self.duplicate = _same
+        self.after_set = None
+        self.share = None
+        self.pristine = None
+        self.getter = get
+        self.setter = set
+        self._start = start
+        self._moved = moved
+
+    def get(self) -> Any:
+        return self.getter() if self.getter is not None else _ABSENT
+
+    def set(self, value: Any) -> None:
+        if value is not _ABSENT:
+            self.setter(value)
+
+    def start(self, caller: Any) -> Any:
+        return self._start(caller, 0)
+
+    def starts(self, caller: Any, world_size: int) -> list[Any]:
+        return [self._start(caller, rank) for rank in range(world_size)]
+
+    def moved(self, before: Any, now: Any) -> bool:
+        return now is not _ABSENT and self._moved(before, now)
+
+    def joined_late(self) -> Any:
+        return self.get()
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class _Registry:
@@ -278,6 +349,29 @@ def declare(
         _REGISTRY.add((_Slot(owner, name, None, duplicate, after_set, share),))
 
 
+def declare_accessor(
+    label: str,
+    *,
+    get: Callable[[], Any] | None,
+    set: Callable[[Any], object],
+    start: Callable[[Any, int], Any] | None = None,
+    moved: Callable[[Any, Any], bool] | None = None,
+) -> None:
+    """Declare a per-rank value that functions read and write, for meshsim's own use.
+
+    ``get`` returns the process's current value, or is None for a value a rank never
+    changes (it is then only loaded). ``start(caller's value, rank)`` gives each rank's
+    starting value (default: the caller's, as after a fork); ``moved(before, now)``
+    whether the caller changed it between a session's calls (default: ``!=``).
+    Declared once, at import: it is inert outside worlds.
+    """
+    _REGISTRY.add((_Accessor(label, get, set, start or _callers, moved or operator.ne),))
+
+
+def _callers(caller: Any, rank: int) -> Any:
+    return caller
+
+
 def declared(target: object, name: str | None) -> bool:
     """Whether ``target.name`` (or ``target.__dict__`` when ``name`` is None) is declared per rank."""
     return _REGISTRY.declared(target, name)
@@ -311,7 +405,7 @@ class WorldSlots:
         self.version = _REGISTRY.version
         self.caller: list[Any] = [slot.get() for slot in self.slots]
         self.ranks: list[list[Any]] = []
-        self._plan = _Plan([], [])
+        self._plan = _Plan([], [], [])
         self._shared: list[_Shared | None] = []  # per run: while every rank shares it, its baseline
         # per rank, per run: its values as a tuple (to check on the way out) and by name (to load)
         self._packed: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = []
@@ -382,13 +476,18 @@ class WorldSlots:
         self._index_runs()
 
     def recapture(self) -> None:
-        """Take the caller's values anew (a session's next call); ranks take those it changed."""
+        """Take the caller's values anew (a session's next call); ranks take those it changed.
+
+        Between a session's calls the pytest process runs function-scoped fixtures;
+        what they do to per-process state (seed the RNGs, set the default dtype,
+        rebind a declared global), torchrun would have done in every process.
+        """
         if self.version != _REGISTRY.version:
             self._refresh(None)
         n = len(self.ranks)
         for i, slot in enumerate(self.slots):
             now = slot.get()
-            if now is not self.caller[i]:
+            if slot.moved(self.caller[i], now):
                 self.caller[i] = now
                 for values, start in zip(self.ranks, slot.starts(now, n)):
                     values[i] = start
@@ -422,8 +521,8 @@ class WorldSlots:
             if not all(map(is_, got, packed[i][0])):  # identity: an equal copy is another object
                 packed[i] = _packed(run, got)
                 values[run.start : run.stop] = got
-        for index, slot in self._plan.singles:
-            values[index] = slot.get()
+        for index, get in self._plan.gets:
+            values[index] = get()
 
     def _unshare_changed(self, rank: int) -> None:
         """Give up sharing each shared run that ``rank`` rebound a value of, or changed in place."""
@@ -456,10 +555,10 @@ class WorldSlots:
             if changed:
                 for after in run.afters:
                     after()
-        if self._plan.singles:
+        if self._plan.sets:
             values = self.ranks[rank]
-            for index, slot in self._plan.singles:
-                slot.set(values[index])
+            for index, put in self._plan.sets:
+                put(values[index])
 
     def restore_caller(self) -> None:
         """Put the caller's values back (the world's end, or between a session's jobs)."""
@@ -554,7 +653,7 @@ class _Shared(NamedTuple):
 
 def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:
     """The hand-overs' plan for ``slots`` in that order: a run per module's globals, then each other slot."""
-    plan = _Plan([], [])
+    plan = _Plan([], [], [])
     i = 0
     while i < len(slots):
         key = _group_key(slots[i], present[i])
@@ -564,7 +663,14 @@ def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:
         if key[0] == 0:
             plan.runs.append(_module_run(slots[i:j], i))
         else:
-            plan.singles.append((i, slots[i]))
+            slot = slots[i]
+            if isinstance(slot, _Accessor):  # its functions themselves: no wrapper at hand-overs
+                if slot.getter is not None:
+                    plan.gets.append((i, slot.getter))
+                plan.sets.append((i, slot.setter))
+            else:
+                plan.gets.append((i, slot.get))
+                plan.sets.append((i, slot.set))
         i = j
     return plan
 
@@ -613,4 +719,5 @@ class _Plan(NamedTuple):
     """How a hand-over saves and loads a rank's values: runs of module globals, then single slots."""
 
     runs: list[_ModuleRun]
-    singles: list[tuple[int, _Slot]]  # (position, slot), through the slot's own get and set
+    gets: list[tuple[int, Callable[[], Any]]]  # (position, getter) of the other slots, saved one by one
+    sets: list[tuple[int, Callable[[Any], object]]]  # (position, setter), loaded one by one

@@ -1,0 +1,99 @@
+"""Real ranks for the static suite: this process as one rank under torchrun, or a torchrun-like launch.
+
+- ``torchrun ... pytest --multigpu-static``: this process is one rank of the job
+  (:class:`meshsim._modes.torchrun.StaticSession`); it joins the job once the
+  conftests have configured (a distributed manager there keeps the group it made),
+  and only rank 0 reports unless ``--mesh-report=all``.
+- ``pytest --multigpu-static --mesh-backend=spawn`` without torchrun: one pytest
+  process per rank, started as torchrun would start them (:mod:`meshsim._modes.launch`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshsim._pytest.options import static_environment_or_none
+from meshsim._pytest.state import state_of
+
+__all__: list[str] = []
+
+
+def _xdist_workers(config: pytest.Config) -> bool:
+    workers = getattr(config.option, "numprocesses", None)
+    return bool(workers) and workers != 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """--multigpu-static --mesh-backend=spawn, no torchrun: start a pytest per rank, as torchrun would."""
+    from meshsim._modes.torchrun import static_environment
+
+    if (
+        not config.getoption("multigpu_static", default=False)
+        or config.getoption("mesh_backend") != "spawn"
+        or static_environment() is not None
+        or config.option.help
+        or config.option.version
+    ):
+        return None
+    if _xdist_workers(config):
+        raise pytest.UsageError(
+            "--multigpu-static --mesh-backend=spawn starts one pytest process per rank; "
+            "it is incompatible with -n (pytest-xdist): drop -n"
+        )
+    from meshsim._modes.launch import launch
+
+    size = config.getoption("world_size")
+    print(
+        f"meshsim: --multigpu-static --mesh-backend=spawn: {size} pytest processes, one per rank, "
+        "started as torchrun would start them",
+        flush=True,
+    )
+    args = config.invocation_params.args
+    return launch(args, size, timeout=config.getoption("mesh_timeout"), cwd=str(config.invocation_params.dir))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under torchrun, make this process's rank (it joins the job at the session's start)."""
+    env = static_environment_or_none(config)
+    if env is None:
+        return
+    if _xdist_workers(config):
+        raise pytest.UsageError(
+            "--multigpu-static is incompatible with -n (pytest-xdist): torchrun already starts "
+            "one pytest per rank; drop -n"
+        )
+    from meshsim._modes.torchrun import StaticSession
+
+    xml = getattr(config.option, "xmlpath", None)
+    if xml and "{rank}" in xml:
+        config.option.xmlpath = xml.replace("{rank}", str(env["RANK"]))
+    # joined in pytest_sessionstart, after the conftests' pytest_configure (a manager's own init)
+    state = state_of(config)
+    state.static = StaticSession(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], state.timeout)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under torchrun, join the job; only rank 0 reports: other ranks drop the terminal reporter."""
+    config = session.config
+    static = state_of(config).static
+    if static is None:
+        return
+    static.start()
+    if static.rank == 0:
+        return
+    if config.getoption("mesh_report") == "rank0":
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave the torchrun job once every rank is done."""
+    state = state_of(config)
+    if state.static is not None:
+        state.static.stop()
+        state.static = None

@@ -1,0 +1,55 @@
+"""The plugin's state for one pytest run: one object in ``config.stash``, which every feature asks."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from meshsim._modes.torchrun import StaticSession
+    from meshsim._pytest.simjob import SimulatedJob
+
+__all__ = ["PluginState", "state_of"]
+
+
+@dataclass
+class PluginState:
+    """What the plugin's features share for one pytest run.
+
+    Attributes:
+        backend, world_size, timeout: ``--mesh-backend``, ``--world-size``, ``--mesh-timeout``.
+        suite: ``"static"`` or ``"dynamic"``: the suite ``--multigpu-*`` selects (None: all tests).
+        owns_suite_options: meshsim defined ``--multigpu-static`` / ``-dynamic`` (no conftest did).
+        static: under torchrun, this process's rank of the job.
+        job: ``--multigpu-static`` without torchrun: the session's simulated job.
+        item: the distributed test being set up or run.
+        watches: the watches the plugin keeps open for the whole run (closed at its end).
+    """
+
+    backend: str
+    world_size: int
+    timeout: float
+    suite: str | None = None
+    owns_suite_options: bool = False
+    static: StaticSession | None = None
+    job: SimulatedJob | None = None
+    item: pytest.Item | None = None
+    watches: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+
+_STATE = pytest.StashKey[PluginState]()
+
+
+def state_of(config: pytest.Config) -> PluginState:
+    """The run's state, made from the options when first asked."""
+    state = config.stash.get(_STATE, None)
+    if state is None:
+        state = config.stash[_STATE] = PluginState(
+            config.getoption("mesh_backend"),
+            config.getoption("world_size"),
+            config.getoption("mesh_timeout"),
+        )
+    return state
