@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import meshsim
+from meshsim._baton import doorbell as _doorbell
 from meshsim._engine import affinity as _affinity
-from meshsim._engine import doorbell as _doorbell
 from meshsim._process import handover as _perrank
 from meshsim._process import state as _state
 from meshsim._sim import backend as _backend

@@ -116,6 +116,14 @@ class ShardTensor(torch.Tensor):
         )
 
     @property
+    def spec(self) -> ShardTensorSpec:
+        """The tensor's layout: mesh, placements, global shape and every rank's shard sizes (read-only).
+
+        ``_spec`` is the same object, under the name PhysicsNeMo's ShardTensor uses.
+        """
+        return self._spec
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """The mesh the tensor is distributed over."""
         return self._spec.mesh

@@ -38,7 +38,7 @@ class Seat:
 
     Attributes:
         rank, world_size: the rank and the number of ranks.
-        scheduler, rendezvous: the world's (a :class:`meshsim._engine.scheduler.Scheduler` and a
+        scheduler, rendezvous: the world's (a :class:`meshsim._baton.scheduler.Scheduler` and a
             :class:`meshsim._sim.rendezvous.Rendezvous`; typed loosely here, below the layers
             that define them).
         init_default: makes the rank's default group again, after user code destroyed it.

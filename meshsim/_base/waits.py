@@ -1,6 +1,6 @@
 """What a rank blocks on: a :class:`Waitable` that whoever completes it marks done.
 
-The scheduler (:mod:`meshsim._engine.scheduler`) blocks and wakes ranks; the
+The scheduler (:mod:`meshsim._baton.scheduler`) blocks and wakes ranks; the
 backend's meeting points (collectives, receives, store waits) and a session's
 board between calls are Waitables, so the layer that blocks ranks needs nothing
 of the layers that make them wait.
@@ -47,7 +47,7 @@ class Waitable:
 class Blocking(Protocol):
     """What the backend asks of the world's scheduler to block and wake ranks.
 
-    :class:`meshsim._engine.scheduler.Scheduler` is one; the backend is handed it
+    :class:`meshsim._baton.scheduler.Scheduler` is one; the backend is handed it
     and names only this, so it needs nothing of the layer above it. ``with
     scheduler:`` holds ``lock`` and sends the wake-ups made meanwhile as it ends.
     """

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from meshsim._base.context import Seat, current
-from meshsim._engine.scheduler import Scheduler
+from meshsim._baton.scheduler import Scheduler
 from meshsim._observe.recorder import DispatchRecorder
 from meshsim._process import patches as _patches
 from meshsim._process import thread_worlds as _thread_worlds

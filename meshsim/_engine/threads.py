@@ -14,7 +14,7 @@ it is as good as new:
   :data:`IDLE_LIFETIME` seconds without work.
 
 An idle thread waits in one blocking read of its doorbell (see
-:mod:`meshsim._engine.doorbell`: a timed wait costs a system call more, on the first
+:mod:`meshsim._baton.doorbell`: a timed wait costs a system call more, on the first
 wake-up of each rank of every world). While some wait, one more thread, ``meshsim-reaper``, wakes every
 second to end the threads idle for too long; it ends when none is left.
 
@@ -25,7 +25,7 @@ leaves in a rank thread do carry over to the next world, as module globals do.
 (``benchmarks/bench_tricks.py`` measures worlds with and without it).
 
 A worker's doorbell is also its rank's doorbell in the world it serves
-(:class:`meshsim._engine.scheduler.Scheduler`): a rank not yet started sleeps at it, so
+(:class:`meshsim._baton.scheduler.Scheduler`): a rank not yet started sleeps at it, so
 the first hand-over to a rank starts it, with no extra thread switch.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from meshsim._engine.doorbell import Doorbell, EventBell, LockBell, eventfd_budget
+from meshsim._baton.doorbell import Doorbell, EventBell, LockBell, eventfd_budget
 
 __all__ = ["Countdown", "Worker", "end_idle_threads", "give_back", "idle_count", "take", "thread_fingerprint"]
 

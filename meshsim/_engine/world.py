@@ -38,11 +38,11 @@ from meshsim._base.errors import (
     format_user_traceback,
 )
 from meshsim._base.waits import Waitable
+from meshsim._baton.scheduler import SAFETY_POLL, Scheduler
 from meshsim._engine import affinity as _affinity
 from meshsim._engine import threads as _threads
 from meshsim._engine.interrupt import interrupt
 from meshsim._engine.kinds import Ranks, ranks_for
-from meshsim._engine.scheduler import SAFETY_POLL, Scheduler
 from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
 from meshsim._observe.watch import looking_for_waste, open_watches

@@ -29,14 +29,17 @@ bytes are exact integers, not the table's rounded units).
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import re
-import time
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
+
+import filelock
 
 from meshsim._observe.ledger import Collective, Ledger
 
@@ -262,30 +265,25 @@ def _replace(path: Path, text: str) -> None:
 
 @contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``folder`` (no lock file to leave behind); a no-op without fcntl.
+    """Hold the folder's writers' lock (``filelock``: fcntl on POSIX, msvcrt on Windows).
+
+    The lock file lives in the temporary directory, named after the folder, so nothing
+    is left beside the snapshots; every process of the machine writing there (xdist
+    workers, torchrun ranks) takes the same one.
 
     Raises:
         TimeoutError: another process held it for ``_LOCK_TIMEOUT`` seconds.
     """
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    lock = filelock.FileLock(os.path.join(tempfile.gettempdir(), f"meshsim-snapshots-{key}.lock"))
     try:
-        import fcntl
-    except ImportError:  # Windows: writers of one file may race
+        lock.acquire(timeout=_LOCK_TIMEOUT)
+    except filelock.Timeout:
+        raise TimeoutError(
+            f"another process held the lock on {_shown(folder)} for {_LOCK_TIMEOUT:g} s; "
+            "is a pytest run stuck?"
+        ) from None
+    try:
         yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + _LOCK_TIMEOUT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"another process held the lock on {_shown(folder)} for {_LOCK_TIMEOUT:g} s; "
-                        "is a pytest run stuck?"
-                    ) from None
-                time.sleep(0.01)
-        yield  # closing the descriptor releases the lock
     finally:
-        os.close(fd)
+        lock.release()

@@ -54,6 +54,8 @@ __all__ = [
 
 Tensor = torch.Tensor
 Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+Compat = Callable[[Sequence[Any]], list[mv.Problem]] | None  # a description's cross-rank check
+Waste = Callable[[Sequence[Any]], str | None] | None  # its wasted-call rule
 
 # autograd's version counters can be set only through this private call (it takes
 # tuples of tensors and versions: checked in torch 2.11-2.15)
@@ -97,13 +99,18 @@ class Description:
     """
 
     op: ClassVar[str]
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = None
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = None
+    compat: ClassVar[Compat] = None
+    wasted: ClassVar[Waste] = None
+    # The fields that hold what the rank puts on the wire, what the Work's future gives,
+    # and the root (None: the base's answers, nothing)
+    sent: ClassVar[str | None] = None
+    written: ClassVar[str | None] = None
+    rooted_at: ClassVar[str | None] = None
     api: str
 
     def contributed(self) -> list[Tensor]:
         """The tensors whose bytes this rank puts on the wire (compared with earlier calls)."""
-        return []
+        return getattr(self, self.sent) if self.sent is not None else []
 
     def signature(self) -> tuple[Any, ...]:
         raise NotImplementedError
@@ -117,15 +124,18 @@ class Description:
 
     def result(self) -> object:
         """What the Work's future holds: the tensors written."""
-        return None
+        return getattr(self, self.written) if self.written is not None else None
 
     @property
     def reduce_op(self) -> str | None:
-        return None
+        """The reduce op's name, for reducing collectives (their ``op_name`` field)."""
+        name: str | None = getattr(self, "op_name", None)
+        return name
 
     @property
     def root(self) -> int | None:
-        return None
+        """The root's group rank, for rooted collectives."""
+        return getattr(self, self.rooted_at) if self.rooted_at is not None else None
 
     @staticmethod
     def execute(payloads: Sequence[Any]) -> None:
@@ -316,10 +326,9 @@ class AllReduce(Description):
     api: str = "all_reduce"
 
     op: ClassVar[str] = "all_reduce"
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_reduce_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.tensors
+    sent: ClassVar[str | None] = "tensors"
+    written: ClassVar[str | None] = "tensors"
+    wasted: ClassVar[Waste] = _all_reduce_wasted
 
     def signature(self) -> tuple[Any, ...]:
         return (self.op_name, meta(self.tensors))
@@ -330,13 +339,6 @@ class AllReduce(Description):
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         n = nbytes(self.tensors)
         return dtype_of(self.tensors), n, n
-
-    def result(self) -> object:
-        return self.tensors
-
-    @property
-    def reduce_op(self) -> str | None:
-        return self.op_name
 
     @staticmethod
     @_no_grad("tensors")
@@ -371,10 +373,10 @@ class Reduce(Description):
     api: str = "reduce"
 
     op: ClassVar[str] = "reduce"
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _reduce_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.tensors
+    sent: ClassVar[str | None] = "tensors"
+    written: ClassVar[str | None] = "tensors"
+    rooted_at: ClassVar[str | None] = "dst"
+    wasted: ClassVar[Waste] = _reduce_wasted
 
     def signature(self) -> tuple[Any, ...]:
         return (self.op_name, self.dst, meta(self.tensors))
@@ -385,17 +387,6 @@ class Reduce(Description):
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         n = nbytes(self.tensors)
         return dtype_of(self.tensors), n, n if group_rank == self.dst else 0
-
-    def result(self) -> object:
-        return self.tensors
-
-    @property
-    def reduce_op(self) -> str | None:
-        return self.op_name
-
-    @property
-    def root(self) -> int | None:
-        return self.dst
 
     @staticmethod
     @_no_grad()
@@ -439,8 +430,9 @@ class ReduceScatter(Description):
     api: str = "reduce_scatter"
 
     op: ClassVar[str] = "reduce_scatter"
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _reduce_scatter_compat
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _reduce_scatter_wasted
+    written: ClassVar[str | None] = "outputs"
+    compat: ClassVar[Compat] = _reduce_scatter_compat
+    wasted: ClassVar[Waste] = _reduce_scatter_wasted
 
     def contributed(self) -> list[Tensor]:
         return self._inputs()
@@ -456,13 +448,6 @@ class ReduceScatter(Description):
 
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         return dtype_of(self.outputs), nbytes(self._inputs()), nbytes(self.outputs)
-
-    def result(self) -> object:
-        return self.outputs
-
-    @property
-    def reduce_op(self) -> str | None:
-        return self.op_name
 
     @staticmethod
     @_no_grad()
@@ -494,10 +479,9 @@ class ReduceScatterTensor(Description):
     api: str = "reduce_scatter_tensor"
 
     op: ClassVar[str] = "reduce_scatter"
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _reduce_scatter_tensor_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.inputs
+    sent: ClassVar[str | None] = "inputs"
+    written: ClassVar[str | None] = "outputs"
+    wasted: ClassVar[Waste] = _reduce_scatter_tensor_wasted
 
     def signature(self) -> tuple[Any, ...]:
         return (self.op_name, meta(self.inputs), meta(self.outputs))
@@ -507,13 +491,6 @@ class ReduceScatterTensor(Description):
 
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self.outputs)
-
-    def result(self) -> object:
-        return self.outputs
-
-    @property
-    def reduce_op(self) -> str | None:
-        return self.op_name
 
     @staticmethod
     @_no_grad()
@@ -557,11 +534,10 @@ class AllGather(Description):
     api: str = "all_gather"
 
     op: ClassVar[str] = "all_gather"
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _all_gather_compat
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_gather_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.inputs
+    sent: ClassVar[str | None] = "inputs"
+    written: ClassVar[str | None] = "output_lists"
+    compat: ClassVar[Compat] = _all_gather_compat
+    wasted: ClassVar[Waste] = _all_gather_wasted
 
     def _outputs(self) -> list[Tensor]:
         return [t for lst in self.output_lists for t in lst]
@@ -574,9 +550,6 @@ class AllGather(Description):
 
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self._outputs())
-
-    def result(self) -> object:
-        return self.output_lists
 
     @staticmethod
     @_no_grad()
@@ -601,10 +574,9 @@ class AllGatherIntoTensor(Description):
     api: str = "all_gather_into_tensor"
 
     op: ClassVar[str] = "all_gather"
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_gather_into_tensor_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.inputs
+    sent: ClassVar[str | None] = "inputs"
+    written: ClassVar[str | None] = "outputs"
+    wasted: ClassVar[Waste] = _all_gather_into_tensor_wasted
 
     def signature(self) -> tuple[Any, ...]:
         return (meta(self.inputs), meta(self.outputs))
@@ -614,9 +586,6 @@ class AllGatherIntoTensor(Description):
 
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self.outputs)
-
-    def result(self) -> object:
-        return self.outputs
 
     @staticmethod
     @_no_grad("outputs", "inputs")
@@ -651,8 +620,10 @@ class Gather(Description):
     api: str = "gather"
 
     op: ClassVar[str] = "gather"
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _gather_compat
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _gather_wasted
+    written: ClassVar[str | None] = "outputs"
+    rooted_at: ClassVar[str | None] = "dst"
+    compat: ClassVar[Compat] = _gather_compat
+    wasted: ClassVar[Waste] = _gather_wasted
 
     def contributed(self) -> list[Tensor]:
         return [self.input]
@@ -665,13 +636,6 @@ class Gather(Description):
 
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         return self.input.dtype, nbytes([self.input]), nbytes(self.outputs) if self.outputs else 0
-
-    def result(self) -> object:
-        return self.outputs
-
-    @property
-    def root(self) -> int | None:
-        return self.dst
 
     @staticmethod
     @_no_grad()
@@ -700,7 +664,8 @@ class Scatter(Description):
     api: str = "scatter"
 
     op: ClassVar[str] = "scatter"
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _scatter_compat
+    rooted_at: ClassVar[str | None] = "src"
+    compat: ClassVar[Compat] = _scatter_compat
 
     def signature(self) -> tuple[Any, ...]:
         return (self.src, self.output.dtype)
@@ -713,10 +678,6 @@ class Scatter(Description):
 
     def result(self) -> object:
         return [self.output]
-
-    @property
-    def root(self) -> int | None:
-        return self.src
 
     @staticmethod
     @_no_grad()
@@ -744,10 +705,10 @@ class Broadcast(Description):
     api: str = "broadcast"
 
     op: ClassVar[str] = "broadcast"
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _broadcast_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.tensors
+    sent: ClassVar[str | None] = "tensors"
+    written: ClassVar[str | None] = "tensors"
+    rooted_at: ClassVar[str | None] = "src"
+    wasted: ClassVar[Waste] = _broadcast_wasted
 
     def signature(self) -> tuple[Any, ...]:
         return (self.src, meta(self.tensors))
@@ -759,13 +720,6 @@ class Broadcast(Description):
         n = nbytes(self.tensors)
         is_root = group_rank == self.src
         return dtype_of(self.tensors), n if is_root else 0, 0 if is_root else n
-
-    def result(self) -> object:
-        return self.tensors
-
-    @property
-    def root(self) -> int | None:
-        return self.src
 
     @staticmethod
     @_no_grad()
@@ -811,8 +765,8 @@ class AllToAllSingle(Description):
     api: str = "all_to_all_single"
 
     op: ClassVar[str] = "all_to_all"
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _all_to_all_single_compat
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_to_all_single_wasted
+    compat: ClassVar[Compat] = _all_to_all_single_compat
+    wasted: ClassVar[Waste] = _all_to_all_single_wasted
 
     def contributed(self) -> list[Tensor]:
         return [self.input]
@@ -860,11 +814,10 @@ class AllToAll(Description):
     api: str = "all_to_all"
 
     op: ClassVar[str] = "all_to_all"
-    compat: ClassVar[Callable[[Sequence[Any]], list[mv.Problem]] | None] = _all_to_all_compat
-    wasted: ClassVar[Callable[[Sequence[Any]], str | None] | None] = _all_to_all_wasted
-
-    def contributed(self) -> list[Tensor]:
-        return self.inputs
+    sent: ClassVar[str | None] = "inputs"
+    written: ClassVar[str | None] = "outputs"
+    compat: ClassVar[Compat] = _all_to_all_compat
+    wasted: ClassVar[Waste] = _all_to_all_wasted
 
     def signature(self) -> tuple[Any, ...]:
         return (tuple(t.dtype for t in self.inputs + self.outputs),)
@@ -874,9 +827,6 @@ class AllToAll(Description):
 
     def traffic(self, group_rank: int) -> tuple[torch.dtype | None, int, int]:
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self.outputs)
-
-    def result(self) -> object:
-        return self.outputs
 
     @staticmethod
     @_no_grad()

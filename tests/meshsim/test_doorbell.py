@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim._engine import doorbell as _doorbell
+from meshsim._baton import doorbell as _doorbell
+from meshsim._baton.doorbell import Doorbell, EventBell, LockBell
+from meshsim._baton.scheduler import Scheduler
 from meshsim._engine import threads as _threads
 from meshsim._engine import world as _world
-from meshsim._engine.doorbell import Doorbell, EventBell, LockBell
-from meshsim._engine.scheduler import Scheduler
 from meshsim._sim.collectives import Barrier
 from meshsim._sim.rendezvous import Call, Rendezvous
 from meshsim._sim.store import SimStore

@@ -116,8 +116,8 @@ def _check_world(case: Case) -> list[str]:
     with meshsim.record() as infer_ledger:
         inferred = ShardTensor.from_local(local, mesh, case.src)
     shard_dims = sum(isinstance(p, Shard) for p in case.src)
-    if chunked._spec != inferred._spec:
-        problems.append(f"chunk spec {chunked._spec!r} != infer spec {inferred._spec!r}")
+    if chunked.spec != inferred.spec:
+        problems.append(f"chunk spec {chunked.spec!r} != infer spec {inferred.spec!r}")
     if len(chunk_ledger) != 0:
         problems.append(f"chunk mode issued {chunk_ledger.counts()}")
     if infer_ledger.counts() != ({"all_gather": shard_dims} if shard_dims else {}):

@@ -109,7 +109,7 @@ def assert_layout_is_true(st: ShardTensor) -> None:
     """
     placements = [Replicate() if p.is_partial() else p for p in st.placements]
     inferred = ShardTensor.from_local(st._local_tensor.detach(), st.device_mesh, placements)
-    assert inferred._spec.shard_sizes == st._spec.shard_sizes
+    assert inferred.spec.shard_sizes == st.spec.shard_sizes
     assert tuple(inferred.shape) == tuple(st.shape)
 
 

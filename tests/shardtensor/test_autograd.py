@@ -121,7 +121,7 @@ def test_from_local_backward_returns_one_gradient_per_input(distributed_mesh) ->
     leaf = torch.ones(2, 3, device=distributed_mesh.device_type, requires_grad=True)
     st = ShardTensor.from_local(leaf, distributed_mesh, [Shard(0)], "chunk", global_shape=(4, 3))
     assert type(st.grad_fn).__name__ == "_FromLocalBackward"
-    grads = st.grad_fn.apply(ShardTensor(torch.ones(2, 3, device=leaf.device), st._spec))
+    grads = st.grad_fn.apply(ShardTensor(torch.ones(2, 3, device=leaf.device), st.spec))
     # one per input: the local tensor's, then None for the mesh, placements, sharding_shapes,
     # global_shape (upstream's five) and the ShardTensor class the result is made of
     assert len(grads) == 6
@@ -134,7 +134,7 @@ def test_autograd_flags_and_detach(distributed_mesh) -> None:
     st = ShardTensor.from_local(leaf, distributed_mesh, [Shard(0)], "chunk", global_shape=(4, 3))
     assert st.requires_grad and not st.is_leaf and st.grad_fn is not None
     detached = st.detach()
-    assert isinstance(detached, ShardTensor) and detached._spec == st._spec
+    assert isinstance(detached, ShardTensor) and detached.spec == st.spec
     assert not detached.requires_grad and detached.is_leaf and detached.grad_fn is None
     assert detached.to_local().data_ptr() == leaf.data_ptr()
     with torch.no_grad():
@@ -150,9 +150,9 @@ def test_a_shard_tensor_leaf_accumulates_its_grad_across_layouts(distributed_mes
     assert leaf.is_leaf and leaf.requires_grad
     (2 * leaf.to_local()).sum().backward(retain_graph=True)
     first = leaf.grad
-    assert isinstance(first, ShardTensor) and first._spec == leaf._spec
+    assert isinstance(first, ShardTensor) and first.spec == leaf.spec
     leaf.redistribute(placements=[Replicate()]).to_local().sum().backward()
-    assert isinstance(leaf.grad, ShardTensor) and leaf.grad._spec == leaf._spec
+    assert isinstance(leaf.grad, ShardTensor) and leaf.grad.spec == leaf.spec
     assert torch.equal(leaf.grad.to_local(), torch.full((2, 3), 2.0 + 1, device=mesh.device_type))
 
 
@@ -170,7 +170,7 @@ def test_a_leaf_gradient_autograd_copies_keeps_the_leaf_layout(distributed_mesh,
     with meshsim.record() as led:
         (3 * leaf).to_local().sum().backward()
     assert led.counts() == {}
-    assert isinstance(leaf.grad, ShardTensor) and leaf.grad._spec == leaf._spec
+    assert isinstance(leaf.grad, ShardTensor) and leaf.grad.spec == leaf.spec
     assert leaf.grad is not kept[0]
     assert torch.equal(leaf.grad.to_local(), torch.full_like(leaf.to_local(), 3.0))
 
@@ -196,7 +196,7 @@ def test_new_empty_of_the_inputs_shape_takes_its_layout(distributed_mesh, rank, 
         other_shape = x.new_empty((*shape, 2))
     assert led.counts() == {}
     for result in (strided, empty):
-        assert result.placements == x.placements and result._spec.shard_sizes == x._spec.shard_sizes
+        assert result.placements == x.placements and result.spec.shard_sizes == x.spec.shard_sizes
         assert result.to_local().shape == x.to_local().shape
     assert strided.dtype == torch.float64 and empty.dtype == torch.float32
     assert other_shape.placements == (Replicate(),) and other_shape.to_local().shape == (*shape, 2)
@@ -220,5 +220,5 @@ def test_gradient_accumulation_aligns_layouts(distributed_mesh) -> None:
     )
     columns = rows.redistribute(placements=[Shard(1)])
     total = torch.ops.aten.add.Tensor(rows, columns)
-    assert total._spec == rows._spec
+    assert total.spec == rows.spec
     assert torch.equal(total.to_local(), 2 * rows.to_local())

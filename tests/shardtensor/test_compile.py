@@ -86,7 +86,7 @@ def test_aot_eager_matches_eager(distributed_mesh, distributed_mesh_2d, layout_i
     for _ in range(2):  # the second call runs the cached graph
         value, grad = _run(compiled, x, w)
         torch.testing.assert_close(value, eager_value)
-        assert grad._spec == x._spec
+        assert grad.spec == x.spec
         torch.testing.assert_close(grad.to_local(), eager_grad.to_local())
 
 
@@ -100,7 +100,7 @@ def test_inductor_matches_eager(distributed_mesh, distributed_mesh_2d, layout_id
     compiled = torch.compile(_mlp_loss, backend="inductor", fullgraph=True, dynamic=False)
     value, grad = _run(compiled, x, w)
     torch.testing.assert_close(value, eager_value, rtol=1e-4, atol=1e-5)
-    assert grad._spec == x._spec
+    assert grad.spec == x.spec
     torch.testing.assert_close(grad.to_local(), eager_grad.to_local(), rtol=1e-4, atol=1e-5)
 
 
@@ -115,14 +115,14 @@ def test_a_compiled_function_returns_shard_tensors(distributed_mesh, backend) ->
         return torch.tanh(t) * 3.0, t.sum(0)
 
     y, total = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)(x)
-    assert isinstance(y, ShardTensor) and y._spec == x._spec
+    assert isinstance(y, ShardTensor) and y.spec == x.spec
     assert isinstance(total, ShardTensor) and total.placements == (Partial("sum"),)
     torch.testing.assert_close(y.full_tensor(), torch.tanh(full) * 3.0)
     torch.testing.assert_close(total.full_tensor(), full.sum(0))
     (y.full_tensor().sum() + total.full_tensor().sum()).backward()
     reference = full.clone().requires_grad_()
     ((torch.tanh(reference) * 3.0).sum() + reference.sum(0).sum()).backward()
-    assert x.grad._spec == x._spec
+    assert x.grad.spec == x.spec
     torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
 
 
@@ -175,11 +175,11 @@ def test_flatten_unflatten_and_tangent_coercion(distributed_mesh) -> None:
     rebuilt = ShardTensor.__tensor_unflatten__(
         {"_local_tensor": x._local_tensor}, context, x.shape, x.stride()
     )
-    assert names == ["_local_tensor"] and rebuilt._spec == x._spec
+    assert names == ["_local_tensor"] and rebuilt.spec == x.spec
     # a runtime tangent in another layout moves to the recorded one, uneven sizes included
     replicated_x = x.redistribute(placements=[Replicate()])
     coerced = replicated_x.__coerce_same_metadata_as_tangent__(context)
-    assert coerced._spec == x._spec
+    assert coerced.spec == x.spec
     torch.testing.assert_close(coerced.to_local(), x.to_local())
     pending = x.sum(0)
     resolved = pending.__coerce_tangent_metadata__()

@@ -17,7 +17,7 @@ def _double_on_a_fresh_mesh() -> tuple[bool, float]:
     mesh = init_device_mesh("cpu", (2,))
     x = ShardTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
     y = x * 2
-    return y._spec.mesh is mesh, float(y.sum().full_tensor())
+    return y.spec.mesh is mesh, float(y.sum().full_tensor())
 
 
 def test_a_later_world_never_gets_an_earlier_worlds_mesh() -> None:
@@ -70,5 +70,5 @@ def test_the_same_layout_reuses_its_plan(distributed_mesh) -> None:
     x = layout.shard(torch.ones(3, 2))
     other = layout.shard(torch.ones(3, 2))  # an equal spec in another object
     first, second = x * x, other * other  # one plan, so one output spec object
-    assert first._spec is second._spec
+    assert first.spec is second.spec
     assert torch.equal(second.to_local(), x.to_local())

@@ -22,7 +22,7 @@ def test_from_dtensor_takes_every_torch_chunk_layout(distributed_mesh, world_siz
     with meshsim.record() as led:
         st = ShardTensor.from_dtensor(dtensor)
     assert led.counts() == {}
-    assert st._spec == ShardTensor.from_local(dtensor.to_local(), mesh, [Shard(0)])._spec
+    assert st.spec == ShardTensor.from_local(dtensor.to_local(), mesh, [Shard(0)]).spec
     assert torch.equal(st.full_tensor(), full)
 
 
@@ -36,7 +36,7 @@ def test_to_dtensor_and_back(distributed_mesh_2d, placements, ledger) -> None:
     assert isinstance(dtensor, DTensor) and dtensor.shape == full.shape
     assert tuple(dtensor.placements) == tuple(placements)
     again = ShardTensor.from_dtensor(dtensor)
-    assert again._spec == st._spec
+    assert again.spec == st.spec
     assert ledger.counts() == {}
     assert torch.equal(dtensor.full_tensor(), full)
 

@@ -24,7 +24,7 @@ def test_chunk_spec_equals_infer_1d(distributed_mesh, world_size, kind, dtype) -
         by_infer = ShardTensor.from_local(local, mesh, [Shard(0)], "infer")
     with meshsim.record() as chunked:
         by_chunk = ShardTensor.from_local(local, mesh, [Shard(0)], "chunk", global_shape=full.shape)
-    assert by_chunk._spec == by_infer._spec
+    assert by_chunk.spec == by_infer.spec
     assert by_chunk.shape == full.shape and by_chunk.dtype == dtype
     assert inferred.counts() == {"all_gather": 1}
     assert chunked.counts() == {}
@@ -55,7 +55,7 @@ def test_chunk_spec_equals_infer_2d(distributed_mesh_2d, world_size, name, kind,
         by_infer = ShardTensor.from_local(local, mesh, placements)
     with meshsim.record() as chunked:
         by_chunk = ShardTensor.from_local(local, mesh, placements, "chunk", global_shape=shape)
-    assert by_chunk._spec == by_infer._spec
+    assert by_chunk.spec == by_infer.spec
     assert list(by_infer.shape) == shape
     shard_dims = sum(isinstance(p, Shard) for p in placements)
     assert inferred.counts() == {"all_gather": shard_dims}
@@ -67,7 +67,7 @@ def test_default_call_is_infer(distributed_mesh, rank, ledger) -> None:
     local = torch.full((rank + 1, 2), float(rank), device=distributed_mesh.device_type)
     st = ShardTensor.from_local(local, distributed_mesh, [Shard(0)])
     explicit = ShardTensor.from_local(local, distributed_mesh, [Shard(0)], sharding_shapes="infer")
-    assert st._spec == explicit._spec
+    assert st.spec == explicit.spec
     assert st.shape == (10, 2)
     assert ledger.counts() == {"all_gather": 2}
     assert ledger.project("op", "dtype") == [("all_gather", torch.int64)] * 2
@@ -87,7 +87,7 @@ def test_infer_accepts_any_concatenable_layout(distributed_mesh, rank, world_siz
     st = ShardTensor.from_local(local, mesh, [Shard(0)], global_shape=full.shape)
     assert ledger.counts() == {"all_gather": 1}
     assert st.shape == full.shape
-    assert st._spec.sharding_shapes() == {0: tuple((s, 4) for s in sizes)}
+    assert st.spec.sharding_shapes() == {0: tuple((s, 4) for s in sizes)}
     assert st.offsets() == (sum(sizes[:rank]),)
     assert st.offsets(0) == sum(sizes[:rank])
     assert torch.equal(st.to_local(), local)
@@ -102,7 +102,7 @@ def test_dict_mode_needs_no_collective(distributed_mesh, rank, world_size, dtype
     shapes = {0: [(s, 3) for s in sizes]}
     st = ShardTensor.from_local(local, mesh, [Shard(0)], sharding_shapes=shapes)
     assert ledger.counts() == {}
-    assert st._spec == ShardTensor.from_local(local, mesh, [Shard(0)])._spec
+    assert st.spec == ShardTensor.from_local(local, mesh, [Shard(0)]).spec
 
 
 @pytest.mark.world(4)
@@ -116,15 +116,15 @@ def test_dict_mode_2d(distributed_mesh_2d, rank, ledger) -> None:
     shapes = {0: [(r, cols[col]) for r in rows], 1: [(rows[row], c) for c in cols]}
     st = ShardTensor.from_local(local, mesh, placements, shapes, global_shape=(4, 2))
     assert ledger.counts() == {}
-    assert st._spec.sharding_shapes() == {0: tuple(shapes[0]), 1: tuple(shapes[1])}
-    assert st._spec == ShardTensor.from_local(local, mesh, placements)._spec
+    assert st.spec.sharding_shapes() == {0: tuple(shapes[0]), 1: tuple(shapes[1])}
+    assert st.spec == ShardTensor.from_local(local, mesh, placements).spec
 
 
 @pytest.mark.world(1, 4)
 def test_chunk_without_shard_placements_checks_the_global_shape(distributed_mesh, rank, ledger) -> None:
     local = torch.zeros(4, 3, device=distributed_mesh.device_type)
     st = ShardTensor.from_local(local, distributed_mesh, [Partial()], "chunk", global_shape=(4, 3))
-    assert st.shape == (4, 3) and st._spec.sharding_shapes() == {}
+    assert st.shape == (4, 3) and st.spec.sharding_shapes() == {}
     with pytest.raises(
         ValueError,
         match=rf"Rank {rank} expected local shape \(99, 3\) does not match tensor's local shape \(4, 3\)",

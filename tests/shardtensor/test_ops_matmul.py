@@ -59,7 +59,7 @@ def test_nn_op(distributed_mesh, distributed_mesh_2d, layout_id, weights, dtype,
     assert_layout_is_true(y)
     if layout.mesh.ndim == 1 or name in KEEPS_2D:
         assert ledger.counts() == {}
-        assert y.placements == x.placements and y._spec.shard_sizes == x._spec.shard_sizes
+        assert y.placements == x.placements and y.spec.shard_sizes == x.spec.shard_sizes
     else:
         # torch folds the batch dims into one before a product, and a fold of two
         # sharded dims is not a per-rank layout: the second mesh dim is gathered.
@@ -72,7 +72,7 @@ def test_nn_op(distributed_mesh, distributed_mesh_2d, layout_id, weights, dtype,
     probe = torch.linspace(0.5, 1.5, expected.numel(), device=device).reshape(expected.shape).to(dtype)
     (y.full_tensor() * probe).sum().backward()
     (expected * probe).sum().backward()
-    assert x.grad._spec == x._spec
+    assert x.grad.spec == x.spec
     close(x.grad.full_tensor(), ref_x.grad, dtype)
     for param, reference in ((w, ref_w), (b, ref_b)):
         if reference.grad is None:
@@ -118,7 +118,7 @@ def test_a_sharded_contraction_on_a_2d_mesh(distributed_mesh_2d) -> None:
     b = distribute(b_full, mesh, [Replicate(), Shard(0)], layout.sizes)
     product = a @ b
     assert product.placements == (Shard(0), Partial("sum"))
-    assert product._spec.shard_sizes[0] == layout.sizes[0]
+    assert product.spec.shard_sizes[0] == layout.sizes[0]
     torch.testing.assert_close(product.full_tensor(), a_full @ b_full)
 
 
@@ -137,7 +137,7 @@ def test_bmm(distributed_mesh, distributed_mesh_2d, layout_id) -> None:
     with meshsim.record() as ledger:
         out = torch.bmm(a, b)
     assert ledger.counts() == {}
-    assert out.placements == a.placements and out._spec.shard_sizes == a._spec.shard_sizes
+    assert out.placements == a.placements and out.spec.shard_sizes == a.spec.shard_sizes
     torch.testing.assert_close(out.full_tensor(), torch.bmm(a_full, b_full))
     out.sum().backward()
     ref_a, ref_b = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()

@@ -46,13 +46,13 @@ def test_unary(distributed_mesh, distributed_mesh_2d, layout_id, dtype, name) ->
         y = op(x)
     assert ledger.counts() == {}
     assert isinstance(y, ShardTensor)
-    assert y.placements == x.placements and y._spec.shard_sizes == x._spec.shard_sizes
+    assert y.placements == x.placements and y.spec.shard_sizes == x.spec.shard_sizes
     close(y.full_tensor(), op(full), dtype)
 
     (y.full_tensor() * weights).sum().backward()
     reference = full.clone().requires_grad_()
     (op(reference) * weights).sum().backward()
-    assert x.grad is not None and x.grad._spec == x._spec
+    assert x.grad is not None and x.grad.spec == x.spec
     close(x.grad.full_tensor(), reference.grad, dtype)
 
 
@@ -100,7 +100,7 @@ def test_binary(distributed_mesh, distributed_mesh_2d, layout_id, dtype, name) -
         other = other.detach().requires_grad_()
     y = op(x, other)
     assert isinstance(y, ShardTensor)
-    assert y.placements == x.placements and y._spec.shard_sizes == x._spec.shard_sizes
+    assert y.placements == x.placements and y.spec.shard_sizes == x.spec.shard_sizes
     assert_layout_is_true(y)
     expected = op(full, full_other if isinstance(other, torch.Tensor) else other)
     close(y.full_tensor(), expected, dtype)
@@ -110,7 +110,7 @@ def test_binary(distributed_mesh, distributed_mesh_2d, layout_id, dtype, name) -
     ref_x = full.clone().requires_grad_()
     ref_other = full_other.clone().requires_grad_() if isinstance(other, ShardTensor) else full_other
     (op(ref_x, ref_other if isinstance(other, torch.Tensor) else other) * weights).sum().backward()
-    assert x.grad is not None and x.grad._spec == x._spec
+    assert x.grad is not None and x.grad.spec == x.spec
     close(x.grad.full_tensor(), ref_x.grad, dtype)
     if isinstance(other, ShardTensor):
         assert other.grad is not None
@@ -126,7 +126,7 @@ def test_operands_in_one_layout_need_no_collective(distributed_mesh, distributed
     with meshsim.record() as ledger:
         z = torch.tanh(x * y + 1.0) / weight - x.exp()
     assert ledger.counts() == {}
-    assert z._spec == x._spec
+    assert z.spec == x.spec
 
 
 @pytest.mark.world(4)
@@ -135,13 +135,13 @@ def test_a_chunk_layout_operand_is_realigned_to_the_uneven_one(distributed_mesh)
     full = layout.full(3)
     x = layout.shard(full)
     y = _chunk_layout(layout, full)
-    assert y._spec.shard_sizes != x._spec.shard_sizes
+    assert y.spec.shard_sizes != x.spec.shard_sizes
     with meshsim.record() as ledger:
         z = x + y
     # DTensor would see two Shard(0) operands as aligned; here y is realigned (one
     # gather, then each rank slices its rows), and the result keeps x's sizes.
     assert ledger.counts() == {"all_gather": 1}
-    assert z._spec == x._spec
+    assert z.spec == x.spec
     torch.testing.assert_close(z.to_local(), 2 * x.to_local())
 
 
@@ -150,12 +150,12 @@ def test_in_place_ops_keep_the_tensor_and_its_layout(distributed_mesh) -> None:
     layout = Layout("1d-empty", distributed_mesh, None)
     full = layout.full(3)
     x = layout.shard(full.clone())
-    spec = x._spec
+    spec = x.spec
     with meshsim.record() as ledger:
         same = x.mul_(2.0)
         x.add_(layout.shard(full))
         x.clamp_(max=1.0)
-    assert same is x and x._spec == spec and ledger.counts() == {}
+    assert same is x and x.spec == spec and ledger.counts() == {}
     torch.testing.assert_close(x.full_tensor(), (3 * full).clamp(max=1.0))
 
 

@@ -62,7 +62,7 @@ def test_reduction(distributed_mesh, distributed_mesh_2d, layout_id, dtype, name
     (y.full_tensor() * weights.to(dtype)).sum().backward()
     reference = full.clone().requires_grad_()
     (op(reference) * weights.to(dtype)).sum().backward()
-    assert x.grad is not None and x.grad._spec == x._spec
+    assert x.grad is not None and x.grad.spec == x.spec
     close(x.grad.full_tensor(), reference.grad, dtype)
 
 
@@ -79,7 +79,7 @@ def test_a_reduced_leaf_gets_its_gradient_in_its_own_layout(
     REDUCTIONS[name](x).sum().backward()
     reference = full.clone().requires_grad_()
     REDUCTIONS[name](reference).sum().backward()
-    assert x.grad._spec == x._spec
+    assert x.grad.spec == x.spec
     torch.testing.assert_close(x.grad.to_local(), layout.shard(reference.grad).to_local())
 
 
@@ -129,7 +129,7 @@ def test_reductions_over_unsharded_dims_keep_the_shards(distributed_mesh_2d) -> 
         y = x.sum(-1).amax(-1, keepdim=True)
     assert ledger.counts() == {}
     assert y.placements == (Shard(0), Shard(1))
-    assert y._spec.shard_sizes == x._spec.shard_sizes
+    assert y.spec.shard_sizes == x.spec.shard_sizes
 
 
 @pytest.mark.world(4)

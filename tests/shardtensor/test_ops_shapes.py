@@ -62,7 +62,7 @@ def test_shape_op(distributed_mesh, distributed_mesh_2d, layout_id, dtype, name)
     (y.full_tensor() * weights.to(dtype)).sum().backward()
     reference = full.clone().requires_grad_()
     (op(reference, k) * weights.to(dtype)).sum().backward()
-    assert x.grad is not None and x.grad._spec.shard_sizes == x._spec.shard_sizes
+    assert x.grad is not None and x.grad.spec.shard_sizes == x.spec.shard_sizes
     close(x.grad.full_tensor(), reference.grad, dtype)
 
 
@@ -74,9 +74,9 @@ def test_a_merged_sharded_dim_keeps_each_ranks_rows(distributed_mesh, distribute
     x = layout.shard(layout.full(4, 3))
     y = x.flatten(k - 1, k)  # the last sharded dim with the 4 after it
     assert y.placements == x.placements
-    assert y._spec.shard_sizes[k - 1] == tuple(4 * s for s in layout.sizes[k - 1])
+    assert y.spec.shard_sizes[k - 1] == tuple(4 * s for s in layout.sizes[k - 1])
     back = y.view(x.shape)
-    assert back._spec == x._spec
+    assert back.spec == x.spec
 
 
 @pytest.mark.world(4)
@@ -85,7 +85,7 @@ def test_permute_moves_the_placements_with_the_dims(distributed_mesh_2d) -> None
     x = layout.shard(layout.full(4, 3))
     y = x.permute(3, 1, 2, 0)
     assert y.placements == (Shard(3), Shard(1))
-    assert y._spec.shard_sizes == x._spec.shard_sizes
+    assert y.spec.shard_sizes == x.spec.shard_sizes
 
 
 @pytest.mark.world(4)

@@ -113,7 +113,7 @@ def test_function_and_dispatch_handlers(distributed_mesh) -> None:
 
     def on_neg(tensor):  # type: ignore[no-untyped-def]
         seen.append("dispatch neg")
-        return ShardTensor(torch.zeros_like(tensor._local_tensor), tensor._spec)
+        return ShardTensor(torch.zeros_like(tensor._local_tensor), tensor.spec)
 
     x = replicated(torch.ones(2, 3, device=distributed_mesh.device_type), distributed_mesh)
     saved = ShardTensor._function_registry.copy(), ShardTensor._dispatch_registry.copy()
@@ -163,4 +163,4 @@ def test_grad_placements_of_full_tensor_and_of_a_new_shard_layout(distributed_me
         x.grad = None
         x.to_local(grad_placements=[Shard(0)]).sum().backward()
     assert ledger.counts() == {}
-    assert x.grad._spec == x._spec
+    assert x.grad.spec == x.spec

@@ -9,6 +9,8 @@ import ast
 import pathlib
 
 import pytest
+import torch
+from torch.distributed.tensor import Shard
 
 import shardtensor
 
@@ -38,3 +40,30 @@ def test_private_torch_apis_live_in_one_module(module: str) -> None:
         and "_make_wrapper_subclass(" not in source
         and "_mesh_resources" not in source
     )
+
+
+@pytest.mark.parametrize("module", sorted(p.name for p in PACKAGE.glob("*.py")))
+def test_no_module_imports_one_that_imports_it(module: str) -> None:
+    """The package's modules import each other one way (type-only imports included)."""
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((PACKAGE / name).read_text())
+        found = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        found |= {
+            f"shardtensor.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module == "shardtensor"
+            for a in n.names
+        }
+        return {f.split(".", 1)[1] + ".py" for f in found if f.startswith("shardtensor.")}
+
+    assert not [other for other in imports(module) if module in imports(other) and other != module]
+
+
+@pytest.mark.world(2)
+def test_spec_is_public_and_read_only(distributed_mesh) -> None:
+    st = shardtensor.ShardTensor.from_local(torch.ones(2, 3), distributed_mesh, [Shard(0)])
+    assert st.spec.shape == (4, 3) and st.spec.shard_sizes == ((2, 2),)
+    assert st.spec is st._spec  # PhysicsNeMo's name for the same object
+    with pytest.raises(AttributeError):
+        st.spec = st.spec  # type: ignore[misc]

@@ -21,7 +21,7 @@ def chunked(full, mesh, placements) -> ShardTensor:
 def check_layout(st: ShardTensor, full: torch.Tensor, placements) -> None:
     """``st`` holds torch.chunk's shard of ``full`` and the spec "chunk" would give it."""
     expected = chunked(full, st.device_mesh, placements)
-    assert st._spec == expected._spec
+    assert st.spec == expected.spec
     assert torch.equal(st.to_local(), expected.to_local())
 
 
@@ -38,7 +38,7 @@ def test_shard_to_shard_round_trip_is_bitwise(distributed_mesh, world_size, kind
         back = moved.redistribute(placements=[Shard(0)])
     assert there.counts() == back_again.counts() == {"all_to_all": 1}
     check_layout(moved, full, [Shard(1)])
-    assert back._spec == st._spec
+    assert back.spec == st.spec
     assert torch.equal(back.to_local(), st.to_local())
 
 
@@ -56,8 +56,8 @@ def test_shard_to_replicate_round_trip_is_bitwise(distributed_mesh, world_size, 
     assert gathered.counts() == {"all_gather": 1}
     assert sliced.counts() == {}
     assert torch.equal(replicated.to_local(), full)
-    assert replicated._spec.sharding_shapes() == {}
-    assert back._spec == st._spec
+    assert replicated.spec.sharding_shapes() == {}
+    assert back.spec == st.spec
     assert torch.equal(back.to_local(), st.to_local())
 
 
@@ -84,7 +84,7 @@ def test_target_dim_smaller_than_the_mesh(distributed_mesh, ledger) -> None:
     st = chunked(full, distributed_mesh, [Shard(0)])
     moved = st.redistribute(placements=[Shard(1)])
     check_layout(moved, full, [Shard(1)])
-    assert moved._spec.shard_sizes == ((1, 1, 1, 0),)
+    assert moved.spec.shard_sizes == ((1, 1, 1, 0),)
     assert torch.equal(moved.redistribute(placements=[Shard(0)]).to_local(), st.to_local())
     assert ledger.counts() == {"all_to_all": 2}
 
@@ -124,7 +124,7 @@ def test_2d_round_trip_is_bitwise(distributed_mesh_2d, source, target, there, ba
     assert forth_led.counts() == there
     assert back_led.counts() == back
     check_layout(moved, full, placements_of(target))
-    assert returned._spec == st._spec
+    assert returned.spec == st.spec
     assert torch.equal(returned.to_local(), st.to_local())
 
 
@@ -137,10 +137,10 @@ def test_2d_uneven_sizes_of_a_dim_that_stays_sharded_are_kept(distributed_mesh_2
     with meshsim.record() as led:
         moved = st.redistribute(placements=[Shard(0), Shard(2)])
     assert led.counts() == {"all_to_all": 1}
-    assert moved._spec.shard_sizes == (rows, (1, 1))
+    assert moved.spec.shard_sizes == (rows, (1, 1))
     expected = shard(full, mesh, [Shard(0), Shard(2)], {0: rows, 1: (1, 1)})
     assert torch.equal(moved.to_local(), expected)
-    assert moved._spec == ShardTensor.from_local(expected, mesh, [Shard(0), Shard(2)])._spec
+    assert moved.spec == ShardTensor.from_local(expected, mesh, [Shard(0), Shard(2)]).spec
 
 
 @pytest.mark.world(2, 4)
@@ -158,7 +158,7 @@ def test_negotiated_shapes_give_the_same_bits_at_twice_the_all_to_alls(
     assert fast.counts() == {"all_to_all": 1}
     assert slow.counts() == {"all_to_all": 2}
     assert slow.calls[0].dtype == torch.int64  # the shapes travel first
-    assert negotiated._spec == quick._spec
+    assert negotiated.spec == quick.spec
     assert torch.equal(negotiated.to_local(), quick.to_local())
 
 
@@ -206,7 +206,7 @@ def test_redistribute_to_the_same_placements_costs_nothing(distributed_mesh, led
         global_tensor((5, 2), torch.float32, distributed_mesh.device_type), distributed_mesh, [Shard(0)]
     )
     same = st.redistribute(distributed_mesh, [Shard(-2)])
-    assert same._spec == st._spec
+    assert same.spec == st.spec
     assert same.to_local().data_ptr() == st.to_local().data_ptr()
     assert ledger.counts() == {}
 

@@ -58,7 +58,7 @@ def test_scatter_with_requires_grad_makes_a_leaf_with_gradients_in_its_layout(
     )
     assert st.is_leaf and st.requires_grad
     (st**2).sum().backward()
-    assert st.grad._spec == st._spec
+    assert st.grad.spec == st.spec
     torch.testing.assert_close(st.grad.full_tensor(), 2 * full)
 
 
@@ -83,9 +83,9 @@ def test_scatter_matches_distribute_tensor(distributed_mesh) -> None:
     full = global_tensor((10, 840, 4), torch.float32, distributed_mesh.device_type)
     st = scatter_tensor(full, 0, distributed_mesh, [Shard(1)], full.shape, full.dtype)
     dt = distribute_tensor(full, distributed_mesh, [Shard(1)])
-    assert st._spec == ShardTensor.from_dtensor(dt)._spec
+    assert st.spec == ShardTensor.from_dtensor(dt).spec
     assert torch.equal(st.to_local(), dt.to_local())
-    assert st._spec.shard_sizes == (chunk_sizes(840, 4),)
+    assert st.spec.shard_sizes == (chunk_sizes(840, 4),)
 
 
 class _Model(torch.nn.Module):

@@ -35,12 +35,12 @@ def test_upstream_field_names_build_and_read_a_spec(distributed_mesh_2d, rank) -
     assert spec.shard_sizes == ((4, 3), (3, 2))
     # what from_local makes from the same shards is the same spec
     local = torch.zeros(mine, device=mesh.device_type)
-    assert ShardTensor.from_local(local, mesh, [Shard(0), Shard(1)])._spec == spec
+    assert ShardTensor.from_local(local, mesh, [Shard(0), Shard(1)]).spec == spec
 
 
 @pytest.mark.world(2)
 def test_a_spec_is_immutable_and_replace_copies_it(distributed_mesh, rank) -> None:
-    spec = Layout("1d-uneven", distributed_mesh, None).shard(torch.zeros(3, 2))._spec
+    spec = Layout("1d-uneven", distributed_mesh, None).shard(torch.zeros(3, 2)).spec
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec._sharding_shapes = None  # type: ignore[misc]
     replicated = dataclasses.replace(
@@ -73,7 +73,7 @@ def test_a_spec_without_sizes_assumes_torch_chunk_when_it_wraps_a_shard(distribu
         unknown.sharding_shapes()
     rows = (3, 3, 3, 0)[rank]  # torch.chunk's layout of 9 rows over 4 ranks
     wrapped = ShardTensor(torch.zeros(rows, 2, device=distributed_mesh.device_type), unknown)
-    assert wrapped._spec.shard_sizes == ((3, 3, 3, 0),)
+    assert wrapped.spec.shard_sizes == ((3, 3, 3, 0),)
     with pytest.raises(RuntimeError, match=r"torch.chunk's layout gives this rank .*unevenly sharded"):
         ShardTensor(torch.zeros(4, 2, device=distributed_mesh.device_type), unknown)
 
@@ -86,17 +86,17 @@ def test_chunk_sharding_shapes_is_what_chunk_mode_records(distributed_mesh_2d, r
         torch.zeros(((5, 4)[rank // 2], (2, 1)[rank % 2], 2), device=distributed_mesh_2d.device_type),
         ShardTensorSpec(distributed_mesh_2d, placements, _meta((9, 3, 2))),
     )
-    assert shapes == local._spec.sharding_shapes()
+    assert shapes == local.spec.sharding_shapes()
     assert chunk_sharding_shapes(distributed_mesh_2d, [Replicate(), Replicate()], (9, 3)) == {}
 
 
 @pytest.mark.world(2)
 def test_stable_hash_and_pickle(distributed_mesh) -> None:
     layout = Layout("1d-uneven", distributed_mesh, None)
-    spec = layout.shard(torch.zeros(3, 2))._spec
+    spec = layout.shard(torch.zeros(3, 2)).spec
     same = dataclasses.replace(spec)
     assert same._stable_hash() == spec._stable_hash()
-    other = Layout("1d-even", distributed_mesh, None).shard(torch.zeros(4, 2))._spec
+    other = Layout("1d-even", distributed_mesh, None).shard(torch.zeros(4, 2)).spec
     assert other._stable_hash() != spec._stable_hash()
     hash(spec)
     loaded = pickle.loads(pickle.dumps(spec))

@@ -28,7 +28,7 @@ from typing import Protocol
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.errors import DeadlockError, WorldAborted
 from meshsim._base.waits import Waitable
-from meshsim._engine.doorbell import Doorbell
+from meshsim._baton.doorbell import Doorbell
 
 __all__ = ["SAFETY_POLL", "Scheduler", "Waitable"]
 
@@ -36,6 +36,27 @@ _RUNNING, _READY, _BLOCKED, _DONE = "running", "ready", "blocked", "done"
 # Seconds between the supervisor's nudges (see nudge): waits are woken explicitly,
 # this only bounds each wait.
 SAFETY_POLL = 1.0
+# A world whose running ranks compute but complete no wait fails after this many timeouts
+# of their CPU time.
+RUN_LIMIT = 10
+# Seconds (at most; never more than the timeout) over which a running rank's CPU clock is
+# read to tell computing from blocked.
+PROBE = 1.0
+# The share of a probe's wall time the running ranks must spend on the CPU to count as
+# computing: a thread blocked on a lock uses none, one polling in short sleeps well under
+# 1%; a computing one gets its share of the machine (2 CPUs and 30 busy processes: 6%).
+_CPU_SHARE = 0.02
+_CPU_CLOCKS = getattr(time, "pthread_getcpuclockid", None)  # Linux, the BSDs; not macOS or Windows
+
+
+def _cpu_time(ident: int | None) -> float | None:
+    """The CPU seconds thread ``ident`` has used (None where this cannot be read, or it is gone)."""
+    if ident is None or _CPU_CLOCKS is None:
+        return None
+    try:
+        return time.clock_gettime(_CPU_CLOCKS(ident))
+    except (OSError, OverflowError, ValueError):
+        return None
 
 
 class HandOver(Protocol):
@@ -100,6 +121,12 @@ class Scheduler:
         self._signals: list[int] = []
         self._idents: list[int | None] = [None] * world_size
         self._outcome: list[str] = [""] * world_size
+        # The timeout's view of running ranks (check_timeout): until when a computing rank
+        # holds the clock off, the progress stamp when that began, and a CPU probe.
+        self._grace_until = 0.0
+        self._busy_from = -1.0
+        self._probe: tuple[float, dict[int, float | None]] | None = None
+        self._busy_cpu = 0.0  # CPU seconds running ranks used since the last progress
         # No rank runs before begin(), which rings the first one(s).
         self._holder: int | None = None
         self._begun = False
@@ -274,6 +301,17 @@ class Scheduler:
     def check_timeout(self, timeout: float) -> bool:
         """Fail the world if it made no progress for ``timeout`` s while a rank waits.
 
+        Progress is a collective (or any wait) completing, or a rank that runs its own
+        code using the CPU: a rank busy computing (an Inductor compile on a loaded
+        machine) restarts the clock, so it is not mistaken for a hang. Whether a running
+        rank computes is read from its thread's CPU clock over a probe of
+        ``min(timeout, PROBE)`` seconds (computing: at least 2% of the probe on the CPU,
+        a share a loaded machine still gives): a rank blocked outside meshsim (a lock, a sleep, I/O) uses
+        none and is reported after ``timeout`` and the probe. Running ranks that compute
+        on and on without any wait completing are reported once they have used
+        ``RUN_LIMIT`` x ``timeout`` CPU seconds: counted in CPU time, not wall time, so
+        a loaded machine does not cut a long computation short.
+
         Returns:
             whether the world was failed by this call.
         """
@@ -281,13 +319,45 @@ class Scheduler:
         try:
             if self.error is not None or self.finished.is_set():
                 return False
-            idle = time.monotonic() - self._progress_at
+            now = time.monotonic()
+            idle = now - self._progress_at
+            if idle < timeout or now < self._grace_until:
+                return False
             waiting = [r for r in range(self.world_size) if self._state[r] == _READY or self._waits(r)]
-            if idle < timeout or not waiting:
+            if not waiting:
+                return False
+            if self._busy_from != self._progress_at:  # progress since the last extension: a fresh count
+                self._busy_from, self._probe, self._busy_cpu = self._progress_at, None, 0.0
+            probe = min(timeout, PROBE)
+            used = self._computing(now, probe)
+            if used is None:
+                return False  # probing
+            self._busy_cpu += used
+            if used >= _CPU_SHARE * probe and self._busy_cpu < RUN_LIMIT * timeout:
+                self._grace_until = now + timeout  # a rank computes: wait another timeout
                 return False
             return self._abort(self._timeout_error(idle, timeout))
         finally:
             self._unlock()
+
+    def _computing(self, now: float, probe: float) -> float | None:
+        """The CPU seconds the running ranks used during the probe; None while it runs. Lock held."""
+        running = [r for r in range(self.world_size) if self._state[r] == _RUNNING]
+        if self._probe is None:
+            self._probe = (now, {r: _cpu_time(self._idents[r]) for r in running})
+            return None
+        began, before = self._probe
+        if now - began < probe:
+            return None
+        self._probe = None
+        used = 0.0
+        for rank in running:
+            start, end = before.get(rank), _cpu_time(self._idents[rank])
+            if start is not None and end is not None:
+                used += end - start
+            elif _CPU_CLOCKS is None:
+                used += now - began  # no thread CPU clocks here: a running rank counts as computing
+        return used
 
     # -- internals (lock held) --------------------------------------------------
 
@@ -460,6 +530,7 @@ class Scheduler:
     def _timeout_error(self, idle: float, timeout: float) -> DeadlockError:
         states = self._states()
         busy = tuple(r for r in range(self.world_size) if self._state[r] == _RUNNING)
+        spun = self._busy_cpu >= RUN_LIMIT * timeout
         stacks = self._stacks()
         lines = []
         for rank, text in states.items():
@@ -467,10 +538,19 @@ class Scheduler:
             if stacks.get(rank):
                 lines.append(stacks[rank])
         who = ", ".join(map(str, busy)) if busy else "none"
+        if not busy:
+            why = ""
+        elif spun:
+            why = (
+                f" They kept using the CPU, {self._busy_cpu:.1f} CPU seconds ({RUN_LIMIT} x the timeout), "
+                "without any wait completing (a loop that never ends?)."
+            )
+        else:
+            why = " They used no CPU: blocked outside meshsim (a lock, a sleep, I/O)?"
         message = (
             f"timeout: the {self.world_size}-rank world made no progress for {idle:.1f} s "
             f"(timeout={timeout:g} s) while ranks waited; ranks still running their own "
-            f"code: {who}.\n" + "\n".join(lines)
+            f"code: {who}.{why}\n" + "\n".join(lines)
         )
         return DeadlockError(message, states=states, timed_out=True, ranks=busy)
 

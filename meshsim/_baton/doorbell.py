@@ -13,7 +13,7 @@ blocking read, where a timed wait needs a ``poll`` and then the read. The extra
 system call let the ringer take the GIL back in between, and made collectives
 slower. A park has no timeout of its own; something else bounds
 it: a world's supervisor rings its parked ranks every second
-(:meth:`meshsim._engine.scheduler.Scheduler.nudge`), and the pool's reaper rings each
+(:meth:`meshsim._baton.scheduler.Scheduler.nudge`), and the pool's reaper rings each
 idle thread when its idle lifetime is up (:mod:`meshsim._engine.threads`).
 
 An eventfd is a file descriptor per rank thread: past a small share of the
