@@ -110,8 +110,8 @@ class Topology:
             return _called_node(self.name, mapping, rank)
         if rank >= len(mapping):
             raise ValueError(
-                f"rank {rank} is not in topology {self.name!r}'s rank-to-node mapping, which covers "
-                f"ranks 0-{len(mapping) - 1}; give a mapping with an entry for every rank of the world"
+                f"rank {rank} is not in the rank-to-node mapping of topology {self.name!r}, which "
+                f"covers ranks 0-{len(mapping) - 1}; give a mapping with an entry for every rank of the world"
             )
         return mapping[rank]
 
@@ -214,7 +214,7 @@ PRESETS: dict[str, Topology] = {
 }
 
 
-def topology(name: str, *, gpus_per_node: int | None = None, **overrides: Any) -> Topology:
+def topology(name: str, /, *, gpus_per_node: int | None = None, **overrides: Any) -> Topology:
     """A preset topology by name, with any of its fields overridden.
 
     ``topology("dgx-h100")`` is 8 H100 GPUs a node on NVLink, 400 Gb/s InfiniBand
