@@ -14,6 +14,7 @@ from meshsim._engine.threads import end_idle_threads
 from meshsim._engine.world import run
 from meshsim._observe.ledger import Collective, Ledger, record
 from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
+from meshsim._observe.topology import Topology, topology
 from meshsim._process.handover import per_rank
 
 __all__ = [
@@ -25,9 +26,11 @@ __all__ = [
     "RankError",
     "SnapshotMismatchError",
     "StateLeakWarning",
+    "Topology",
     "check_snapshot",
     "end_idle_threads",
     "per_rank",
     "record",
     "run",
+    "topology",
 ]

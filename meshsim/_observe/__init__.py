@@ -1,1 +1,1 @@
-"""Observers: the ledger, the dispatch recorder, findings, traces, snapshots, call sites."""
+"""Observers: the ledger, the dispatch recorder, findings, traces, snapshots, call sites, the cost model."""

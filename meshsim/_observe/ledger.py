@@ -6,10 +6,14 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshsim._base.context import current
+
+if TYPE_CHECKING:
+    from meshsim._observe.topology import Topology
 
 __all__ = [
     "Collective",
@@ -71,6 +75,23 @@ class Collective:
     site: str
     peer: int | None = None
     redundant: str | None = field(default=None, compare=False)
+
+    def estimated_time(self, topology: Topology | str, *, rank: int | None = None) -> float:
+        """Seconds this call would take on ``topology``, by its cost model.
+
+        Args:
+            topology: a :class:`~meshsim.Topology` or a preset name (``"dgx-h100"``, ...).
+
+        Keyword args:
+            rank: the global rank that recorded the call; only a send or recv in a group
+                of more than two ranks needs it (without it, the slowest hop it could take).
+
+        Raises:
+            ValueError: an unknown preset name, or a rank the topology's mapping does not cover.
+        """
+        from meshsim._observe import cost  # here: cost imports this module
+
+        return cost.estimate(self, topology, rank=rank).seconds
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
@@ -158,27 +179,67 @@ class Ledger:
         return f"Ledger(calls={self.calls!r})"
 
     def __str__(self) -> str:
+        return self.table()
+
+    def estimated_time(self, topology: Topology | str, *, rank: int | None = None) -> float:
+        """Seconds this rank's calls would take on ``topology``, one after another.
+
+        The sum of :meth:`Collective.estimated_time` over the calls: no compute, and no
+        waiting for other ranks (``meshsim._observe.cost.critical_path`` adds that).
+
+        Args:
+            topology: a :class:`~meshsim.Topology` or a preset name (``"dgx-h100"``, ...).
+
+        Keyword args:
+            rank: the global rank that recorded the ledger (see :meth:`Collective.estimated_time`).
+
+        Raises:
+            ValueError: an unknown preset name, or a rank the topology's mapping does not cover.
+        """
+        from meshsim._observe import cost  # here: cost imports this module
+
+        return cost.total(self.calls, topology, rank=rank)
+
+    def table(self, topology: Topology | str | None = None, *, rank: int | None = None) -> str:
+        """The calls as a text table; ``str(ledger)`` is ``ledger.table()``.
+
+        Args:
+            topology: where given (a :class:`~meshsim.Topology` or a preset name), an
+                ``estimate`` column and the total estimated time on it.
+
+        Keyword args:
+            rank: the global rank that recorded the ledger (see :meth:`Collective.estimated_time`).
+
+        Raises:
+            ValueError: an unknown preset name, or a rank the topology's mapping does not cover.
+        """
         if not self.calls:
             return "0 collectives"
-        rows = [_COLUMNS] + [_row(i, c) for i, c in enumerate(self.calls)]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+        estimates, clause = None, ""
+        if topology is not None:
+            from meshsim._observe import cost  # here: cost imports this module
+
+            estimates, clause = cost.table_column(self.calls, topology, rank=rank)
+        columns = _COLUMNS if estimates is None else (*_COLUMNS[:-1], "estimate", _COLUMNS[-1])
+        rows = [columns] + [_row(i, c, estimates) for i, c in enumerate(self.calls)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
         wasted = [(i, c) for i, c in enumerate(self.calls) if c.redundant]
         for k, (i, _) in enumerate(wasted):  # a mark after the row, the reason below the table
             lines[i + 1] += f"  [redundant {k + 1}]"
-        total = f"{len(self.calls)} collectives, {_human(self.bytes())} received"
+        total = f"{len(self.calls)} collectives, {_human(self.bytes())} received{clause}"
         if wasted:
             total += f", {len(wasted)} redundant"
         notes = [f"[redundant {k + 1}] #{i}: {c.redundant}" for k, (i, c) in enumerate(wasted)]
         return "\n".join([*lines, total, *notes])
 
 
-def _row(index: int, c: Collective) -> tuple[str, ...]:
+def _row(index: int, c: Collective, estimates: list[str] | None = None) -> tuple[str, ...]:
     dtype = str(c.dtype).removeprefix("torch.") if c.dtype is not None else "-"
     group = ",".join(map(str, c.group))
     if c.peer is not None:
         group += f" peer {c.peer}"
-    return (
+    row = (
         str(index),
         c.op,
         c.api,
@@ -187,8 +248,9 @@ def _row(index: int, c: Collective) -> tuple[str, ...]:
         _human(c.bytes_in),
         _human(c.bytes_out),
         c.reduce_op or "-",
-        c.site,
     )
+    estimate = () if estimates is None else (estimates[index],)
+    return (*row, *estimate, c.site)
 
 
 def _human(n: int) -> str:
