@@ -37,12 +37,13 @@ from meshsim._errors import (
 )
 from meshsim._interrupt import interrupt
 from meshsim._leaks import Watch
+from meshsim._outcomes import decided
 from meshsim._rendezvous import Rendezvous
 from meshsim._scheduler import SAFETY_POLL, Scheduler
 from meshsim._state import ProcessState, RankState
 from meshsim._worldkinds import Ranks, ranks_for
 
-__all__ = ["run"]
+__all__ = ["run", "run_ranks"]
 
 BACKENDS = ("sim", "gloo")
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
@@ -103,11 +104,62 @@ def run(
         each rank's return value, in rank order.
 
     Raises:
-        RankError: a rank's code raised; the original exception is ``__cause__``.
+        RankError: a rank's code raised; the original exception is ``__cause__``. A
+            failure on any rank wins over a skip on another (the error notes who skipped).
+        pytest.skip.Exception, pytest.xfail.Exception, unittest.SkipTest: no rank failed
+            and one skipped (``pytest.skip``, ``pytest.importorskip``, ``unittest.SkipTest``)
+            or xfailed (``pytest.xfail``): the first such rank's own exception, so that pytest
+            and unittest report the test skipped or xfailed.
         CollectiveMismatchError: ranks entered different collectives.
         DeadlockError: no rank could make progress, or the timeout expired.
         TypeError, ValueError: a bad argument.
     """
+    world = _world_for(
+        fn,
+        world_size,
+        args=args,
+        kwargs=kwargs,
+        timeout=timeout,
+        backend=backend,
+        serialize=serialize,
+        gpu_paths=gpu_paths,
+        num_threads=num_threads,
+        redundant=redundant,
+        trace=trace,
+    )
+    try:
+        return world.run()
+    except RankError as error:
+        outcome = decided(error)
+        if outcome is error:
+            raise
+    # raised outside the except block: the rank's skip is not "during" the RankError
+    raise outcome
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, **options: Any) -> list[Any]:
+    """:func:`run`, with a world whose ranks raised always raising ``RankError``.
+
+    For meshsim's unittest bases, which report skips in unittest's terms.
+    """
+    return _world_for(fn, world_size, **options).run()
+
+
+def _world_for(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    backend: str = "sim",
+    serialize: bool = True,
+    gpu_paths: bool = True,
+    num_threads: int | None = 1,
+    redundant: bool | None = None,
+    trace: str | os.PathLike[str] | None = None,
+) -> _World:
+    """The world :func:`run` runs, its arguments checked."""
     _check_args(fn, world_size, timeout, backend, num_threads)
     if redundant is not None and not isinstance(redundant, bool):
         raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
@@ -131,7 +183,7 @@ def run(
         redundant=redundant,
         trace=trace,
     )
-    return world.run()
+    return world
 
 
 def _name_of(fn: Any) -> str:

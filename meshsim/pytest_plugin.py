@@ -618,23 +618,10 @@ def _refuse_per_rank_values(item: pytest.Function) -> None:
 
 
 def _decided(error: BaseException) -> BaseException:
-    """What a failed world means for the test: the first rank's skip or xfail if no rank failed.
+    """What a failed world means for the test (:func:`meshsim._outcomes.decided`)."""
+    from meshsim._outcomes import decided
 
-    A skip or xfail is raised as the rank raised it (its traceback gives the
-    location pytest reports); any other failure wins over them, noting who skipped.
-    """
-    from meshsim._errors import RankError
-    from meshsim._outcomes import FAILED, kind_of
-
-    if not isinstance(error, RankError) or not error.failures:
-        return error
-    kinds = [(rank, exc, kind_of(exc)) for rank, exc in error.failures]
-    if any(kind == FAILED for _, _, kind in kinds):
-        others = [f"rank {rank} {kind}: {exc}" for rank, exc, kind in kinds if kind != FAILED]
-        if others:
-            error.add_note("; ".join(others))
-        return error
-    return kinds[0][1]
+    return decided(error)
 
 
 @pytest.hookimpl(wrapper=True)
