@@ -16,11 +16,14 @@ DTensor's sharding-propagation registries (the rules and strategies registered p
 operator) are one per process too, and big (a thousand entries): per rank they
 would cost every world a copy per rank, and a module imported inside one rank
 registers its strategies once for every rank, as every process would. So they
-stay shared, and a world that leaves one with more or fewer entries than it had is
-reported naming it: most often a registration a rank made at run time (torch's
-``op_strategy_context`` around a collective, where ranks undo each other's), which
-every later world and the caller would otherwise see. Only sizes are compared (two
-``len`` calls per registry and world); a registration replaced in place is not seen.
+stay shared, and a world that leaves one with more or fewer entries than it had,
+having imported no module, is reported naming it: a registration a rank made at
+run time (torch's ``op_strategy_context`` around a collective, where ranks undo
+each other's), which every later world and the caller would otherwise see. A world
+that imported modules is not judged: torch registers strategies as modules load
+(``prims.fma``'s as ``torch.compile`` first runs), as it would in every process.
+Only sizes are compared (two ``len`` calls per registry and world); a registration
+replaced in place is not seen.
 """
 
 from __future__ import annotations
@@ -95,12 +98,15 @@ class Watch:
         self._keys = _NAMES.keys
         self._before = [namespace.get(key, _ABSENT) for _, namespace, key in self._keys]
         self._tables = _table_sizes()
+        self._modules = len(sys.modules)
 
     def report(self) -> None:
         self._report_globals()
         self._report_tables()
 
     def _report_tables(self) -> None:
+        if len(sys.modules) != self._modules:  # imports register strategies, as in every process
+            return
         before = dict(self._tables)
         lines = [
             f"  DTensor._op_dispatcher.sharding_propagator.{name}: {before[name]} -> {size} entries"
@@ -115,8 +121,7 @@ class Watch:
                 "tables, and what a rank registered there at run time stays for every later world and the "
                 "caller:\n" + "\n".join(lines) + "\nUndo a registration made in a rank before the world "
                 "ends, and run a test that registers and undoes one around a collective on spawn (ranks "
-                "undo each other's); a module imported inside a rank registers for every rank: import "
-                "it before the world."
+                "undo each other's)."
             ),
             stacklevel=_caller_depth(),
         )

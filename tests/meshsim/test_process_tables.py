@@ -10,7 +10,9 @@ reported, on sim and on gloo thread ranks alike.
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +106,7 @@ def _register_a_strategy_on_rank_0() -> None:
 
 @pytest.mark.parametrize("backend", ["sim", "gloo"])
 def test_a_strategy_a_rank_registers_and_leaves_is_reported(backend: str) -> None:
+    meshsim.run(dist.barrier, 2, backend=backend)  # a world that imports nothing comes next
     before = len(_PROPAGATOR.op_strategy_funcs)
     reported = rf"sharding_propagator\.op_strategy_funcs: {before} -> {before + 1} entries"
     try:
@@ -124,3 +127,35 @@ def test_a_strategy_a_rank_registers_and_undoes_is_not_reported() -> None:
         warnings.simplefilter("error", meshsim.StateLeakWarning)
         meshsim.run(_register_and_undo_a_strategy, 2)
     assert _OP not in _PROPAGATOR.op_strategy_funcs
+
+
+_REGISTERING_MODULE = """
+import torch
+from torch.distributed.tensor import DTensor
+
+DTensor._op_dispatcher.sharding_propagator.register_op_strategy(
+    torch.ops.meshsim_test_tables.plus_one.default, lambda schema: None
+)
+"""
+
+
+def _import_a_registering_module() -> None:
+    if dist.get_rank() == 0:
+        __import__("meshsim_test_registers_a_strategy")
+    dist.barrier()
+
+
+def test_a_strategy_a_module_registers_as_a_rank_imports_it_is_not_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every process would import the module and register it (torch does so for prims.fma)."""
+    (tmp_path / "meshsim_test_registers_a_strategy.py").write_text(_REGISTERING_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", meshsim.StateLeakWarning)
+            meshsim.run(_import_a_registering_module, 2)
+        assert _OP in _PROPAGATOR.op_strategy_funcs
+    finally:
+        _PROPAGATOR.op_strategy_funcs.pop(_OP, None)
+        sys.modules.pop("meshsim_test_registers_a_strategy", None)
