@@ -1,7 +1,10 @@
 """Drop-in replacements for torch's distributed unittest bases, on simulated ranks.
 
 A test file written for torch's ``MultiThreadedTestCase``, ``DTensorTestBase``,
-``DTensorOpTestBase`` and ``with_comms`` moves over by changing its imports::
+``DTensorOpTestBase``, ``with_comms`` and ``spawn_threads_and_init_comms`` moves
+over by changing its imports (torch's skip decorators ``skip_if_lt_x_gpu``,
+``skip_if_no_gpu``, ``skip_unless_torch_gpu`` and ``requires_gloo`` are here too,
+torch's own, as they work unchanged)::
 
     from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
     # becomes
@@ -29,6 +32,27 @@ Importing this module imports torch's ``torch.testing._internal.common_utils``
 
 from __future__ import annotations
 
-from meshsim._unittest.bases import DTensorOpTestBase, DTensorTestBase, MultiThreadedTestCase, with_comms
+# torch's skip decorators work unchanged on meshsim's ranks (they skip through the
+# test's _handle_test_skip or torch's skip exit codes, which the bases take as a skip):
+# re-exported as they are, so a file moves over by its imports (checked in torch 2.11-2.15)
+from torch.testing._internal.common_distributed import (
+    requires_gloo,
+    skip_if_lt_x_gpu,
+    skip_if_no_gpu,
+)
+from torch.testing._internal.distributed._tensor.common_dtensor import skip_unless_torch_gpu
 
-__all__ = ["DTensorOpTestBase", "DTensorTestBase", "MultiThreadedTestCase", "with_comms"]
+from meshsim._unittest.bases import DTensorOpTestBase, DTensorTestBase, MultiThreadedTestCase, with_comms
+from meshsim._unittest.threads import spawn_threads_and_init_comms
+
+__all__ = [
+    "DTensorOpTestBase",
+    "DTensorTestBase",
+    "MultiThreadedTestCase",
+    "requires_gloo",
+    "skip_if_lt_x_gpu",
+    "skip_if_no_gpu",
+    "skip_unless_torch_gpu",
+    "spawn_threads_and_init_comms",
+    "with_comms",
+]

@@ -43,6 +43,7 @@ from meshsim._engine import affinity as _affinity
 from meshsim._engine import threads as _threads
 from meshsim._engine.interrupt import interrupt
 from meshsim._engine.kinds import Ranks, ranks_for
+from meshsim._engine.outcomes import decided
 from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
 from meshsim._observe.watch import looking_for_waste, open_watches
@@ -54,7 +55,7 @@ from meshsim._process.state import ProcessState
 from meshsim._sim.backend import BACKEND_NAME, create_process_group
 from meshsim._sim.rendezvous import NONE, Instrument, Instruments, Rendezvous
 
-__all__ = ["World", "run"]
+__all__ = ["World", "run", "run_ranks"]
 
 BACKENDS = ("sim", "gloo")
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
@@ -115,10 +116,43 @@ def run(
         each rank's return value, in rank order.
 
     Raises:
-        RankError: a rank's code raised; the original exception is ``__cause__``.
+        RankError: a rank's code raised; the original exception is ``__cause__``. A
+            failure on any rank wins over a skip on another (the error notes who skipped).
+        pytest.skip.Exception, pytest.xfail.Exception, unittest.SkipTest: no rank failed
+            and one skipped (``pytest.skip``, ``pytest.importorskip``, ``unittest.SkipTest``)
+            or xfailed (``pytest.xfail``): the first such rank's own exception, so that pytest
+            and unittest report the test skipped or xfailed.
         CollectiveMismatchError: ranks entered different collectives.
         DeadlockError: no rank could make progress, or the timeout expired.
         TypeError, ValueError: a bad argument.
+    """
+    try:
+        return run_ranks(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, backend=backend, serialize=serialize, gpu_paths=gpu_paths, num_threads=num_threads, redundant=redundant, trace=trace)
+    except RankError as error:
+        outcome = decided(error)
+        if outcome is error:
+            raise
+    # raised outside the except block: the rank's skip is not "during" the RankError
+    raise outcome
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    backend: str = "sim",
+    serialize: bool = True,
+    gpu_paths: bool = True,
+    num_threads: int | None = 1,
+    redundant: bool | None = None,
+    trace: str | os.PathLike[str] | None = None,
+) -> list[Any]:
+    """:func:`run`, with a world whose ranks raised always raising ``RankError``.
+
+    For meshsim's unittest bases, which report skips in unittest's terms.
     """
     if redundant is not None and not isinstance(redundant, bool):
         raise TypeError(f"redundant must be True, False or None, got {redundant!r}")

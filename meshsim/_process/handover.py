@@ -382,8 +382,9 @@ class WorldSlots:
 
     A rank's values are a plain list, in the order of :attr:`slots`; the world keeps
     one per rank, and :meth:`save` and :meth:`load` swap them at hand-overs.
-    Module globals come first, grouped by module, so that a hand-over saves a
-    module's values with one ``itemgetter`` and loads them with one ``dict.update``:
+    Module globals (and objects' own attributes, :func:`_present`) come first, grouped
+    by module (or object), so that a hand-over saves a module's values with one
+    ``itemgetter`` and loads them with one ``dict.update``:
     a Python-level loop over some twenty slots, four times per collective, cost more
     than the collective's own bookkeeping.
 
@@ -676,12 +677,37 @@ def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:
 
 
 def _present(slot: _Slot) -> bool:
-    """Whether the slot is a module global that exists now (saved and loaded with its module's)."""
-    return isinstance(slot.owner, ModuleType) and slot.name is not None and slot.name in vars(slot.owner)
+    """Whether the slot is an entry of a namespace dict that exists now (saved and loaded with its run).
+
+    A module global, or an object's own attribute (``DTensor._op_dispatcher._custom_op_handlers``):
+    both live in a plain dict that a hand-over reads with one ``itemgetter`` and writes with
+    one ``update``, and a run of them may be shared. A class's namespace is a read-only
+    mappingproxy, and an attribute that a data descriptor of the class (a property, a
+    ``__slots__`` member) serves is not read from the object's dict: those are single slots.
+    An object's ``__dict__`` is taken as fixed, as a module's is: the plans cached across
+    worlds hold it (rebinding one is what ``per_rank(obj)`` does, and it owns that object).
+    """
+    owner, name = slot.owner, slot.name
+    if name is None or isinstance(owner, type):
+        return False
+    if isinstance(owner, ModuleType):
+        return name in vars(owner)
+    namespace = getattr(owner, "__dict__", None)
+    return type(namespace) is dict and name in namespace and not _data_descriptor(type(owner), name)
+
+
+def _data_descriptor(cls: type, name: str) -> bool:
+    """Whether ``cls`` (or a base) serves ``name`` through a data descriptor, ahead of an object's dict."""
+    for klass in cls.__mro__:
+        found = vars(klass).get(name, _ABSENT)
+        if found is not _ABSENT:
+            kind = type(found)
+            return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+    return False
 
 
 def _group_key(slot: _Slot, present: bool) -> tuple[int, int, str]:
-    """Module globals present now (0, grouped by module), then everything else (1)."""
+    """Namespace entries present now (0, grouped by module or object), then everything else (1)."""
     if present:
         return (0, id(slot.owner), slot.name or "")
     return (1, 0, slot.label)

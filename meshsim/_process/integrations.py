@@ -13,6 +13,9 @@ What a process owns once and a test may change inside a rank is per rank
   (``use_min_cost_redistribution_plan``) and DTensor's RNG tracker, so that ranks
   do not restore each other's saved values and the caller's value is back after
   the world (``implicit_replication`` is per thread in torch itself);
+- DTensor's custom operator handlers (``DTensor._op_dispatcher._custom_op_handlers``),
+  which ``loss_parallel()`` fills on entry and empties on exit, so that one rank's
+  exit does not take away another's handlers;
 - PhysicsNeMo's ``DistributedManager``, a Borg whose class-level ``_shared_state``
   holds ``rank``, ``world_size``, ``local_rank``, ``device``, meshes and groups:
   each rank starts empty, as a newly started process would. Its ``initialize()``
@@ -99,6 +102,17 @@ def _dtensor_rng(module: ModuleType) -> None:
         declare(module, "_rng_tracker", duplicate=_same)  # None until a rank makes its own
 
 
+def _dtensor_handlers(module: ModuleType) -> None:
+    # loss_parallel() adds its handlers on entry and pops them on exit; context parallel
+    # rebinds the dict and binds the saved one back. torch's C++ dispatch reads the
+    # attribute on every DTensor op (checked in 2.11-2.15). Ranks share one copy until
+    # one changes it: a hand-over compares about ten entries.
+    dtensor = getattr(module, "DTensor", None)
+    dispatcher = getattr(dtensor, "_op_dispatcher", None)
+    if isinstance(getattr(dispatcher, "_custom_op_handlers", None), dict):
+        declare(dispatcher, "_custom_op_handlers", share="unchanged")
+
+
 def _same(value: Any) -> Any:
     return value
 
@@ -113,6 +127,7 @@ _INTEGRATIONS: dict[str, Callable[[ModuleType], None]] = {
     "torch.distributed.distributed_c10d": _c10d_globals,
     "torch.distributed.tensor._redistribute": _redistribute_flags,
     "torch.distributed.tensor._random": _dtensor_rng,
+    "torch.distributed.tensor._api": _dtensor_handlers,
     "physicsnemo.distributed.manager": _physicsnemo_manager,
 }
 

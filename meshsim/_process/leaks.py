@@ -11,6 +11,19 @@ that passes or fails by test order shows why.
 Only modules loaded when the world starts are watched; the list of names is kept
 and grows as modules load, so a world pays for two passes over about a hundred
 values.
+
+DTensor's sharding-propagation registries (the rules and strategies registered per
+operator) are one per process too, and big (a thousand entries): per rank they
+would cost every world a copy per rank, and a module imported inside one rank
+registers its strategies once for every rank, as every process would. So they
+stay shared, and a world that leaves one with more or fewer entries than it had,
+having imported no module, is reported naming it: a registration a rank made at
+run time (torch's ``op_strategy_context`` around a collective, where ranks undo
+each other's), which every later world and the caller would otherwise see. A world
+that imported modules is not judged: torch registers strategies as modules load
+(``prims.fma``'s as ``torch.compile`` first runs), as it would in every process.
+Only sizes are compared (two ``len`` calls per registry and world); a registration
+replaced in place is not seen.
 """
 
 from __future__ import annotations
@@ -60,6 +73,23 @@ class _Names:
 _NAMES = _Names()
 
 
+# DTensor's ShardingPropagator registries, per operator (checked in torch 2.11-2.15; a name
+# a version lacks is skipped). Not op_to_schema_info: DTensor fills it on an operator's
+# first use through a decomposition, a memo.
+_TABLES = ("op_to_rules", "op_strategy_funcs", "op_single_dim_strategy_funcs")
+
+
+def _table_sizes() -> list[tuple[str, int]]:
+    """``(name, entries)`` of DTensor's sharding-propagation tables, if DTensor is loaded."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    dispatcher = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    if propagator is None:
+        return []
+    tables = [(name, getattr(propagator, name, None)) for name in _TABLES]
+    return [(name, len(table)) for name, table in tables if isinstance(table, dict)]
+
+
 class LeakCheck:
     """The watched globals' values as a world starts; :meth:`report` warns about those it changed."""
 
@@ -67,8 +97,36 @@ class LeakCheck:
         _NAMES.refresh()
         self._keys = _NAMES.keys
         self._before = [namespace.get(key, _ABSENT) for _, namespace, key in self._keys]
+        self._tables = _table_sizes()
+        self._modules = len(sys.modules)
 
     def report(self) -> None:
+        self._report_globals()
+        self._report_tables()
+
+    def _report_tables(self) -> None:
+        if len(sys.modules) != self._modules:  # imports register strategies, as in every process
+            return
+        before = dict(self._tables)
+        lines = [
+            f"  DTensor._op_dispatcher.sharding_propagator.{name}: {before[name]} -> {size} entries"
+            for name, size in _table_sizes()
+            if name in before and before[name] != size
+        ]
+        if not lines:
+            return
+        warnings.warn(
+            StateLeakWarning(
+                "the world left DTensor's sharding-propagation tables changed: ranks share one process's "
+                "tables, and what a rank registered there at run time stays for every later world and the "
+                "caller:\n" + "\n".join(lines) + "\nUndo a registration made in a rank before the world "
+                "ends, and run a test that registers and undoes one around a collective on spawn (ranks "
+                "undo each other's)."
+            ),
+            stacklevel=_caller_depth(),
+        )
+
+    def _report_globals(self) -> None:
         changed = [
             (module, key, before, namespace.get(key, _ABSENT))
             for (module, namespace, key), before in zip(self._keys, self._before)

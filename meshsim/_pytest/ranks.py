@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from meshsim._engine.outcomes import decided
 from meshsim._pytest import snapshots
 from meshsim._pytest.options import WorldSpec, size_of, spec_of
 from meshsim._pytest.state import PluginState, state_of
@@ -136,7 +137,7 @@ def _run_ranks(
         try:
             return state.job.run_test(test, funcargs, record=record)
         except RankError as error:
-            raise _decided(error) from None
+            raise decided(error) from None
     backend = spec.backend or state.backend
     size = size_of(item, spec)
     if backend == "spawn":
@@ -149,7 +150,7 @@ def _run_ranks(
     try:
         return run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout, record=record)
     except RankError as error:
-        raise _decided(error) from None
+        raise decided(error) from None
 
 
 def _refuse_per_rank_values(item: pytest.Function) -> None:
@@ -165,26 +166,6 @@ def _refuse_per_rank_values(item: pytest.Function) -> None:
             "the fixture function scope.",
             pytrace=False,
         )
-
-
-def _decided(error: BaseException) -> BaseException:
-    """What a failed world means for the test: the first rank's skip or xfail if no rank failed.
-
-    A skip or xfail is raised as the rank raised it (its traceback gives the
-    location pytest reports); any other failure wins over them, noting who skipped.
-    """
-    from meshsim._base.errors import RankError
-    from meshsim._engine.outcomes import FAILED, kind_of
-
-    if not isinstance(error, RankError) or not error.failures:
-        return error
-    kinds = [(rank, exc, kind_of(exc)) for rank, exc in error.failures]
-    if any(kind == FAILED for _, _, kind in kinds):
-        others = [f"rank {rank} {kind}: {exc}" for rank, exc, kind in kinds if kind != FAILED]
-        if others:
-            error.add_note("; ".join(others))
-        return error
-    return kinds[0][1]
 
 
 @pytest.hookimpl(wrapper=True)

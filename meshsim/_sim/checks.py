@@ -92,6 +92,11 @@ def rooted(tensors: Sequence[Tensor] | None, me: int, at: int, size: int, api: s
 def splits(tensor: Tensor, given: Sequence[int] | None, size: int, name: str) -> list[int]:
     """``all_to_all_single``'s split sizes along dim 0, resolved to one per rank."""
     dim0 = tensor.size(0) if tensor.dim() > 0 else 0
+    if isinstance(given, Tensor):  # c10d passes it through; torch's threaded test PG takes it
+        raise TypeError(
+            f"all_to_all_single: {name} split sizes must be a list of ints, got a tensor "
+            f"{given.tolist()}: gloo and NCCL process groups refuse one (pass .tolist())"
+        )
     if not given:
         if dim0 % size:
             raise ValueError(

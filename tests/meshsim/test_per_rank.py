@@ -150,6 +150,45 @@ def test_a_singletons_attributes_are_per_rank() -> None:
     assert settings.device == "cpu"
 
 
+class _Dispatcher:
+    """An object whose table lives in its own dict, beside one a property serves."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, int] = {"start": 0}
+        self._limit = 1
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit = value
+
+
+@pytest.mark.parametrize("name", ["table", "limit"])
+def test_an_objects_attribute_is_per_rank(name: str) -> None:
+    dispatcher = _Dispatcher()
+    before = getattr(dispatcher, name)
+
+    def body() -> object:
+        rank = dist.get_rank()
+        if name == "table":
+            dispatcher.table[f"rank {rank}"] = rank  # in place, in the copy ranks share at first
+        else:
+            dispatcher.limit = rank + 10
+        dist.barrier()
+        return getattr(dispatcher, name)
+
+    with meshsim.per_rank(dispatcher, name):
+        got = meshsim.run(body, 2)
+    if name == "table":
+        assert got == [{"start": 0, "rank 0": 0}, {"start": 0, "rank 1": 1}]
+    else:
+        assert got == [10, 11]
+    assert getattr(dispatcher, name) == before
+
+
 def test_without_a_declaration_the_value_is_shared() -> None:
     state = types.ModuleType("shared")
     state.VALUE = None
