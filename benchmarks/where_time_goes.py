@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import meshsim
-from meshsim._process import state as _state
+from meshsim._process import handover as _handover
 from meshsim._sim import collectives as _collectives
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -54,27 +54,24 @@ def _per_rank_cpu(direct: bool) -> float:
     return (time.thread_time() - start) / CALLS * 1e6
 
 
-def _save_without_rng(self: _state.RankState) -> None:
-    self.default_dtype = torch.get_default_dtype()
-
-
-def _load_without_rng(self: _state.RankState) -> None:
-    if torch.get_default_dtype() != self.default_dtype:
-        torch.set_default_dtype(self.default_dtype)
+def _rng_entries() -> list[Any]:
+    """The hand-over registry's entries for torch's RNG (a diagnostic reaches into it)."""
+    return [s for s in _handover._REGISTRY.slots if s.label.startswith("torch's CPU RNG")]
 
 
 @contextmanager
 def _without(parts: set[str]) -> Iterator[None]:
     execute = vars(_collectives.AllReduce)["execute"]
-    saved = (_state.RankState.save, _state.RankState.load)
-    if "rng" in parts:
-        _state.RankState.save, _state.RankState.load = _save_without_rng, _load_without_rng  # type: ignore[method-assign]
+    rng = _rng_entries() if "rng" in parts else []
+    if rng:
+        _handover._REGISTRY.remove(rng)
     if "execute" in parts:
         _collectives.AllReduce.execute = staticmethod(lambda payloads: None)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        _state.RankState.save, _state.RankState.load = saved  # type: ignore[method-assign]
+        if rng:
+            _handover._REGISTRY.add(rng)
         _collectives.AllReduce.execute = execute  # type: ignore[method-assign]
 
 

@@ -127,7 +127,19 @@ def run(
         TypeError, ValueError: a bad argument.
     """
     try:
-        return run_ranks(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, backend=backend, serialize=serialize, gpu_paths=gpu_paths, num_threads=num_threads, redundant=redundant, trace=trace)
+        return run_ranks(
+            fn,
+            world_size,
+            args=args,
+            kwargs=kwargs,
+            timeout=timeout,
+            backend=backend,
+            serialize=serialize,
+            gpu_paths=gpu_paths,
+            num_threads=num_threads,
+            redundant=redundant,
+            trace=trace,
+        )
     except RankError as error:
         outcome = decided(error)
         if outcome is error:

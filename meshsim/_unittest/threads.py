@@ -31,8 +31,8 @@ from typing import Any, TypeVar, overload
 
 from meshsim._base.errors import MeshError, RankError, format_user_traceback
 from meshsim._engine.outcomes import XFAILED, kind_of
-from meshsim._unittest.bases import _DEFAULT_WORLD_SIZE, _skip_reason, _timeout
 from meshsim._engine.world import run_ranks
+from meshsim._unittest.bases import _DEFAULT_WORLD_SIZE, _skip_reason, _timeout
 
 __all__ = ["spawn_threads_and_init_comms"]
 
