@@ -10,7 +10,8 @@ meshsim has it. Each feature is a plugin of its own, in :mod:`meshsim._pytest`:
 - :mod:`~meshsim._pytest.launch`: torchrun's ranks, and ``--mesh-backend=spawn``'s launch;
 - :mod:`~meshsim._pytest.snapshots`: ledger snapshots;
 - :mod:`~meshsim._pytest.findings`: the wasted-collectives report (``--mesh-redundant``);
-- :mod:`~meshsim._pytest.traces`: timelines per test (``--mesh-trace``).
+- :mod:`~meshsim._pytest.traces`: timelines per test (``--mesh-trace``);
+- :mod:`~meshsim._pytest.cuda`: GPU code without a GPU (``--mesh-cuda``).
 
 Their shared state is one object in ``config.stash`` (:mod:`meshsim._pytest.state`).
 The plugins import torch lazily: collecting a project that never uses it costs nothing.
@@ -27,4 +28,5 @@ pytest_plugins = [
     "meshsim._pytest.findings",
     "meshsim._pytest.ranks",
     "meshsim._pytest.options",
+    "meshsim._pytest.cuda",
 ]

@@ -47,6 +47,7 @@ from meshsim._engine.outcomes import decided
 from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
 from meshsim._observe.watch import looking_for_waste, open_watches
+from meshsim._process import cuda as _cuda
 from meshsim._process import patches as _patches
 from meshsim._process import rng as _rng
 from meshsim._process import state as _state
@@ -75,6 +76,7 @@ def run(
     num_threads: int | None = 1,
     redundant: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
+    cuda: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank of a simulated world and return the results.
 
@@ -111,6 +113,11 @@ def run(
             arrival to release, arrows to the last rank to arrive (Perfetto's UI and
             chrome://tracing open it). ``sim`` only. Under pytest, ``--mesh-trace=DIR``
             gives each test's worlds a file without this argument.
+        cuda: ``"cpu"``: emulate CUDA on the CPU, so code written for GPUs runs unchanged
+            (``device="cuda"``, ``torch.cuda.set_device``, ``init_process_group("nccl")``,
+            streams, the CUDA RNG; see the README's "GPU code without a GPU");
+            ``"cuda:N"``: every rank's ``cuda:k`` is this process's one GPU ``N``. None
+            (the default): ``MESHSIM_CUDA``'s value, else off.
 
     Returns:
         each rank's return value, in rank order.
@@ -139,6 +146,7 @@ def run(
             num_threads=num_threads,
             redundant=redundant,
             trace=trace,
+            cuda=cuda,
         )
     except RankError as error:
         outcome = decided(error)
@@ -161,6 +169,7 @@ def run_ranks(
     num_threads: int | None = 1,
     redundant: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
+    cuda: str | None = None,
 ) -> list[Any]:
     """:func:`run`, with a world whose ranks raised always raising ``RankError``.
 
@@ -176,6 +185,7 @@ def run_ranks(
         gpu_paths=gpu_paths,
         num_threads=num_threads,
         redundant=redundant,
+        cuda=cuda,
     )
     path = None
     if trace is not None:
@@ -253,7 +263,7 @@ class World:
         world_size: the number of ranks (1 or more).
 
     Keyword args:
-        timeout, backend, serialize, gpu_paths, num_threads, redundant: as for
+        timeout, backend, serialize, gpu_paths, num_threads, redundant, cuda: as for
             :func:`meshsim.run`.
 
     Raises:
@@ -270,8 +280,13 @@ class World:
         gpu_paths: bool = True,
         num_threads: int | None = 1,
         redundant: bool | None = None,
+        cuda: str | None = None,
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
+        # parsed now, so a bad value fails before any thread starts
+        self.cuda = _cuda.from_environment(world_size) if cuda is None else _cuda.parse(
+            cuda, devices=_cuda.devices_wanted(world_size)
+        )
         self.world_size = world_size
         self.timeout = timeout
         self.group_timeout = datetime.timedelta(seconds=timeout)  # of the groups ranks make
@@ -427,6 +442,7 @@ class World:
                     saved.restore()
         finally:
             _patches.uninstall()
+            self._release_cuda()
         if self._leaks is not None:
             self._leaks.report()
         return self.outcome()
@@ -473,7 +489,13 @@ class World:
         self.workers, self.new_workers = _threads.take(self.world_size)
         # Patches first: they declare the per-rank state of integrated projects already
         # loaded, which the caller's state then includes.
-        _patches.install(BACKEND_NAME, create_process_group)
+        if self.cuda is not None:
+            _cuda.acquire(self.cuda)
+        try:
+            _patches.install(BACKEND_NAME, create_process_group)
+        except BaseException:
+            self._release_cuda()
+            raise
         try:
             self._leaks = LeakCheck()
             saved = self._saved = ProcessState.capture()
@@ -495,8 +517,13 @@ class World:
             self.closed = True
             _threads.give_back(self.workers)
             _patches.uninstall()
+            self._release_cuda()
             raise
         return saved
+
+    def _release_cuda(self) -> None:
+        if self.cuda is not None:
+            _cuda.release()
 
     def _launch(self, caller: ProcessState) -> None:
         """Start the rank threads; rank 0 (every rank, unserialized) runs at once."""

@@ -33,6 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from meshsim._base.context import current
 from meshsim._base.errors import WorldAborted
+from meshsim._process import cuda as _cuda
 from meshsim._process import integrations as _integrations
 from meshsim._process import rng as _rng
 from meshsim._process import thread_worlds as _thread_worlds
@@ -300,6 +301,7 @@ def _adopt(arguments: dict[str, Any]) -> bool:
     context = here.seat if here.c10d is not None else None
     if context is None:
         return False
+    _check_nccl(arguments.get("backend"), context.rank)
     for name, actual in (("rank", context.rank), ("world_size", context.world_size)):
         asked = arguments.get(name, -1)
         if asked is not None and asked != -1 and asked != actual:
@@ -314,6 +316,18 @@ def _adopt(arguments: dict[str, Any]) -> bool:
             return False
         context.init_default(context)
     return True
+
+
+def _check_nccl(backend: Any, rank: int) -> None:
+    """NCCL needs CUDA: without a GPU or the emulation, fail as a CPU-only process would, saying what to do."""
+    if backend is None or "nccl" not in str(backend).lower() or torch.cuda.is_available():
+        return
+    raise RuntimeError(
+        f"init_process_group(backend={backend!r}) in rank {rank}: NCCL needs CUDA, and this process has "
+        "no GPU (torch.cuda.is_available() is False), so a real process would fail here too. To run code "
+        "written for GPUs on simulated ranks, emulate CUDA on the CPU: pytest --mesh-cuda=cpu, "
+        "meshsim.run(..., cuda='cpu') or MESHSIM_CUDA=cpu."
+    )
 
 
 class _NotLocalTensorMode:
@@ -456,10 +470,12 @@ def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | No
         raise RuntimeError("meshsim internal error: enter_rank_thread() outside a world")
     _thread_worlds.enter_rank_thread(worlds, gpu_paths=gpu_paths, group_timeout=group_timeout)
     _rng.enter_rank()
+    _cuda.enter_rank()  # a no-op unless CUDA is emulated
 
 
 def leave_rank_thread() -> None:
     """Undo :func:`enter_rank_thread` in the calling thread."""
     _clear_thread_caches()  # the thread may serve a later world: its caches hold this one's meshes
+    _cuda.leave_rank()
     _rng.leave_rank()
     _thread_worlds.leave_rank_thread()
