@@ -1,0 +1,316 @@
+"""GPU code on simulated ranks without a GPU: ``meshsim.run(..., cuda="cpu")`` and ``--mesh-cuda=cpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import meshsim
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="these tests pin what the emulation does where CUDA is absent"
+)
+
+
+def _run(fn, world_size=2, **kwargs):
+    return meshsim.run(fn, world_size, cuda="cpu", **kwargs)
+
+
+def test_each_rank_sees_a_cuda_machine_with_its_own_current_device():
+    def body():
+        rank = dist.get_rank()
+        before = torch.cuda.current_device()  # a new process's: 0
+        torch.cuda.set_device(rank)
+        with torch.cuda.device(0):
+            inside = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(rank)
+        return (
+            torch.cuda.is_available(),
+            torch.cuda.device_count(),
+            before,
+            inside,
+            torch.cuda.current_device(),
+            props.total_memory > 0 and props.major == torch.cuda.get_device_capability()[0],
+            torch.cuda.get_device_name() == props.name,
+        )
+
+    assert _run(body) == [(True, 8, 0, 0, 0, True, True), (True, 8, 0, 0, 1, True, True)]
+    assert not torch.cuda.is_available()  # the caller's torch.cuda is back
+
+
+def test_cuda_tensors_report_their_device_and_move_as_on_a_gpu():
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        made = [
+            torch.empty(2, device="cuda"),
+            torch.zeros(2, device=f"cuda:{rank}"),
+            torch.ones(2, device=torch.device("cuda", rank)),
+            torch.tensor([1.0, 2.0], device="cuda"),
+            torch.ones(2).cuda(),
+            torch.ones(2).to("cuda", non_blocking=True),
+            torch.ones(2).pin_memory().cuda(non_blocking=True),
+        ]
+        host = torch.ones(2)
+        on_gpu = host.cuda()
+        on_gpu.add_(1)  # a copy: the host tensor keeps its values
+        back = on_gpu.cpu()
+        return (
+            [str(t.device) for t in made],
+            all(t.is_cuda and t.get_device() == rank for t in made),
+            (host.tolist(), str(back.device), back.is_cuda, back.tolist()),
+            (torch.ones(2).pin_memory().is_pinned(), torch.ones(2).is_pinned(), torch.ones(2, pin_memory=True).is_pinned()),
+            str((made[0] * 2 + made[1]).sum().device),
+            on_gpu.to("cuda") is on_gpu,  # already there: itself, as torch does
+        )
+
+    results = _run(body)
+    for rank, (devices, all_cuda, moved, pinned, computed, same) in enumerate(results):
+        assert devices == [f"cuda:{rank}"] * 7
+        assert all_cuda
+        assert moved == ([1.0, 1.0], "cpu", False, [2.0, 2.0])
+        assert pinned == (True, False, True)
+        assert computed == f"cuda:{rank}"
+        assert same
+
+
+def test_code_comparing_devices_behaves_as_on_a_gpu_machine():
+    def body():
+        torch.cuda.set_device(dist.get_rank())
+        model = torch.nn.Linear(3, 2).cuda()
+        x = torch.randn(4, 3, device="cuda")
+        out = model(x)
+        expected = torch.nn.functional.linear(x.cpu(), model.weight.cpu(), model.bias.cpu())
+        torch.testing.assert_close(out.cpu(), expected)  # checks devices too
+        return (
+            next(model.parameters()).device == x.device,
+            out.device.type,
+            model.weight.data.device.type,
+            repr(out).endswith(f"device='cuda:{dist.get_rank()}', grad_fn=<AddmmBackward0>)"),
+        )
+
+    assert _run(body) == [(True, "cuda", "cuda", True)] * 2
+
+
+def test_the_cuda_rng_is_per_rank_and_per_device_and_apart_from_the_cpu_rng():
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.manual_seed(rank)
+        first = torch.randn(3, device="cuda")
+        state = torch.cuda.get_rng_state()
+        second = torch.randn(3, device="cuda")
+        torch.cuda.set_rng_state(state)
+        again = torch.randn(3, device="cuda")
+        torch.manual_seed(7)
+        cpu_before = torch.randn(2)
+        torch.manual_seed(7)
+        torch.randn(5, device="cuda")  # draws from the CUDA generator, not the CPU's
+        cpu_after = torch.randn(2)
+        with torch.random.fork_rng(devices=[0]):
+            torch.randn(4, device="cuda")
+        forked_back = torch.cuda.get_rng_state(0)
+        return first, second, again, torch.equal(cpu_before, cpu_after), state.dtype, state.numel(), forked_back
+
+    (f0, s0, a0, cpu0, dtype, numel, _), (f1, _, _, cpu1, _, _, _) = _run(body)
+    assert torch.equal(s0, a0) and not torch.equal(f0, s0)
+    assert not torch.equal(f0, f1)  # ranks seeded apart draw apart
+    assert cpu0 and cpu1
+    assert (dtype, numel) == (torch.uint8, 16)  # CUDA's layout: seed and offset
+
+
+def test_streams_events_synchronize_and_memory_statistics():
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        stream = torch.cuda.Stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before = torch.cuda.memory_allocated()
+        start.record()
+        with torch.cuda.stream(stream):
+            inside = torch.cuda.current_stream() is stream
+            x = torch.ones(1024 * (rank + 1), device="cuda")
+        end.record(stream)
+        torch.cuda.current_stream().wait_stream(stream)
+        x.record_stream(torch.cuda.current_stream())
+        end.synchronize()
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        peak = torch.cuda.max_memory_allocated()
+        del x
+        return inside, torch.cuda.current_stream() is not stream, start.elapsed_time(end) >= 0, grown, peak, torch.cuda.memory_allocated() - before
+
+    assert _run(body) == [(True, True, True, 4096, 4096, 0), (True, True, True, 8192, 8192, 0)]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _batch(rank):
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+
+
+def _reference_losses(world_size):
+    """The same data-parallel training, in one process on the CPU: every rank's batch, averaged gradients."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = {rank: [] for rank in range(world_size)}
+    for _ in range(3):
+        opt.zero_grad()
+        grads = None
+        for rank in range(world_size):
+            x, y = _batch(rank)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            losses[rank].append(loss.item())
+            step = torch.autograd.grad(loss, list(model.parameters()))
+            grads = step if grads is None else [a + b for a, b in zip(grads, step)]
+        for param, grad in zip(model.parameters(), grads):
+            param.grad = grad / world_size
+        opt.step()
+    return [losses[rank] for rank in range(world_size)]
+
+
+def test_ddp_with_device_ids_trains_as_on_the_cpu():
+    def body():
+        rank = dist.get_rank()
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(rank)
+        model = _model().cuda()
+        ddp = DistributedDataParallel(model, device_ids=[rank])
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x, y = (t.cuda(non_blocking=True) for t in _batch(rank))
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, model[0].weight.grad.device
+
+    results = _run(body)
+    reference = _reference_losses(2)
+    for rank, (losses, grad_device) in enumerate(results):
+        assert losses == pytest.approx(reference[rank], rel=1e-5)
+        assert grad_device == torch.device("cuda", rank)
+
+
+def test_fsdp2_on_a_cuda_mesh_trains_as_on_the_cpu():
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        mesh = init_device_mesh("cuda", (2,))
+        model = _model().cuda()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = (t.cuda() for t in _batch(rank))
+        losses = []
+        with meshsim.record() as ledger:
+            for _ in range(3):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses, mesh.device_type, model[0].weight.device, ledger.counts()
+
+    results = _run(body)
+    reference = _reference_losses(2)
+    for rank, (losses, device_type, weight_device, counts) in enumerate(results):
+        assert losses == pytest.approx(reference[rank], rel=1e-5)
+        assert (device_type, weight_device) == ("cuda", torch.device("cuda", rank))
+        assert counts == {"all_gather": 3 * 4, "reduce_scatter": 3 * 2}, counts
+
+
+def test_torch_compile_of_a_function_taking_cuda_tensors():
+    def body():
+        from torch._dynamo.testing import CompileCounter
+
+        torch._dynamo.reset()
+        counter = CompileCounter()
+
+        @torch.compile(backend=counter)
+        def f(x):
+            return (x * 2).sin() + 1
+
+        x = torch.ones(4, device="cuda")
+        y = f(x)
+        z = torch.compile(lambda t: t.cos() * 3)(x)  # Inductor
+        return counter.frame_count, y.device.type, torch.allclose(y.cpu(), (torch.ones(4) * 2).sin() + 1), z.device.type
+
+    assert _run(body, 1) == [(1, "cuda", True, "cuda")]
+
+
+class _Moving(torch.Tensor):
+    """A subclass whose __torch_function__ moves plain tensors to the mesh's device, as ShardTensor's does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        moved = [a.to("cuda") if type(a) is torch.Tensor and not a.is_cuda else a for a in args]
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*moved, **(kwargs or {}))
+
+
+def test_a_subclass_handler_moving_tensors_to_cuda():
+    def body():
+        x = torch.ones(3, device="cuda").as_subclass(_Moving)
+        out = x + torch.ones(3)  # the plain operand is on the CPU until the handler moves it
+        return out.device.type, out.tolist()
+
+    assert _run(body, 1) == [("cuda", [2.0, 2.0, 2.0])]
+
+
+class _MakesCudaInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        extra = torch.ones(grad.shape, device="cuda")  # made inside autograd's engine
+        return grad * 2 + extra
+
+
+def test_a_backward_that_creates_cuda_tensors():
+    def body():
+        x = torch.ones(3, device="cuda", requires_grad=True)
+        _MakesCudaInBackward.apply(x).sum().backward()
+        (g,) = torch.autograd.grad((x * x).sum(), [x])
+        return x.grad.device.type, x.grad.tolist(), g.device.type
+
+    assert _run(body, 1) == [("cuda", [3.0, 3.0, 3.0], "cuda")]
+
+
+def test_nccl_without_a_gpu_fails_naming_the_emulation():
+    def body():
+        dist.init_process_group("nccl")
+
+    with pytest.raises(meshsim.RankError) as info:
+        meshsim.run(body, 2)
+    assert "--mesh-cuda=cpu" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:x", "cuda:0", "tpu:0"])
+def test_bad_or_unavailable_cuda_values_are_refused_before_ranks_start(value):
+    with pytest.raises(ValueError, match="cuda"):
+        meshsim.run(lambda: None, 2, cuda=value)
+
+
+def test_a_world_leaves_torch_as_it_found_it():
+    device_descriptor = torch.Tensor.device
+    to = torch.Tensor.to
+    _run(lambda: torch.ones(1, device="cuda").sum().item())
+    assert torch.Tensor.device is device_descriptor and torch.Tensor.to is to
+    assert not torch.cuda.is_available()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.empty(1, device="cuda")
