@@ -558,12 +558,15 @@ def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
 
     def make(*args: Any, **kwargs: Any) -> torch.Tensor:
         target = _cuda_device(kwargs.get("device"))
-        if target is None:
-            return original(*args, **kwargs)
-        kwargs["device"] = _ACTIVE.spec.storage if _ACTIVE.spec is not None else _CPU
-        kwargs.pop("pin_memory", None)
+        # pinned host memory needs a real GPU's allocator: without one, the tensor says it is pinned
+        pinned = bool(kwargs.pop("pin_memory", False)) if _REAL_CUDA["is_available"]() is False else False
+        if target is not None:
+            kwargs["device"] = _ACTIVE.spec.storage if _ACTIVE.spec is not None else _CPU
         out = original(*args, **kwargs)
-        _tag(out, target)
+        if target is not None:
+            _tag(out, target)
+        elif pinned:
+            setattr(out, _PINNED, True)
         return out
 
     make.__name__ = getattr(original, "__name__", "make")

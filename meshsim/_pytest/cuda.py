@@ -33,14 +33,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    # Before any conftest is imported: a conftest decides at import what runs on CUDA
+    # (PhysicsNeMo's parametrizes its ``device`` fixture on torch.cuda.is_available()).
+    _install(early_config, getattr(early_config.known_args_namespace, "mesh_cuda", None))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    value = config.getoption("mesh_cuda")
+    if not config.stash.get(_INSTALLED, False):  # pytest.main() with plugins given in-process
+        _install(config, config.getoption("mesh_cuda"))
+
+
+def _install(config: pytest.Config, value: str | None) -> None:
     if value in (None, "", "off"):
         return
     from meshsim._process import cuda
 
+    world_size = getattr(config.known_args_namespace, "world_size", None) or 4
     try:
-        spec = cuda.parse(value, devices=cuda.devices_wanted(config.getoption("world_size")))
+        spec = cuda.parse(value, devices=cuda.devices_wanted(world_size))
     except (TypeError, ValueError) as exc:
         raise pytest.UsageError(f"--mesh-cuda: {exc}") from None
     if spec is None:
