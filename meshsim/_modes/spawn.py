@@ -229,6 +229,7 @@ def _run_rank(
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=delta)
+    _emulate_cuda(world_size)
     try:
         test = target.load()
         fixtures = RankFixtures()
@@ -244,6 +245,20 @@ def _run_rank(
         _report(pipe, _ended(exc))
     finally:
         dist.destroy_process_group()
+
+
+def _emulate_cuda(world_size: int) -> None:
+    """``--mesh-cuda`` (``MESHSIM_CUDA``, inherited from the pytest process) in this rank's process.
+
+    Installed after the rank's own group is made, so that group is what the machine
+    really has (gloo here). Not undone: the process is this rank's alone.
+    """
+    from meshsim._process import cuda
+
+    spec = cuda.from_environment(world_size)
+    if spec is not None:
+        cuda.acquire(spec)
+        cuda.enter_rank()
 
 
 def _ended(exc: BaseException) -> _Outcome:
