@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._guards
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -245,14 +246,18 @@ _REAL_CUDA: dict[str, Any] = {name: getattr(torch.cuda, name) for name in ("is_a
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
+_tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a frame
 
 
 def device_of(tensor: torch.Tensor) -> torch.device:
     """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
     tag = getattr(tensor, _TAG, None)
     if tag is not None:
-        # While torch.compile traces (a fake mode on), the compiler sees the storage it compiles for.
-        return tag if _get_dispatch_mode(_FAKE) is None else _REAL_DEVICE.__get__(tensor)
+        # While torch.compile compiles (a frame's tracing context or a fake mode on), the
+        # compiler sees the storage it compiles for.
+        if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
+            return tag
+        return _REAL_DEVICE.__get__(tensor)
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is not None and type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
         names, _ = flatten(tensor)
