@@ -301,6 +301,7 @@ def _cuda_device(device: Any) -> torch.device | None:
         return None
     if device.index is None:
         return torch.device("cuda", _state.current)
+    _checked(device.index)
     return device
 
 

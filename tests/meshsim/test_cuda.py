@@ -314,3 +314,23 @@ def test_a_world_leaves_torch_as_it_found_it():
     assert not torch.cuda.is_available()
     with pytest.raises((AssertionError, RuntimeError)):
         torch.empty(1, device="cuda")
+
+
+def test_a_device_ordinal_past_the_emulated_gpus_fails_as_cuda_does(monkeypatch):
+    monkeypatch.setenv("MESHSIM_CUDA_DEVICES", "2")
+
+    def body():
+        seen = torch.cuda.device_count()
+        for make in (lambda: torch.empty(1, device="cuda:2"), lambda: torch.cuda.set_device(5)):
+            with pytest.raises(RuntimeError, match="invalid device ordinal"):
+                make()
+        return seen, str(torch.ones(1, device="cuda:1").device)
+
+    assert _run(body) == [(2, "cuda:1")] * 2
+
+
+def test_the_environment_variable_turns_it_on_for_run(monkeypatch):
+    monkeypatch.setenv("MESHSIM_CUDA", "cpu")
+    assert meshsim.run(lambda: torch.cuda.is_available(), 2) == [True, True]
+    monkeypatch.setenv("MESHSIM_CUDA", "off")
+    assert meshsim.run(lambda: torch.cuda.is_available(), 2) == [False, False]
