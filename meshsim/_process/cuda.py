@@ -384,7 +384,7 @@ class _CudaMode(TorchDispatchMode):
         else:
             target = _first_tag(args)
         allocates, seeded = _facts(func)
-        if seeded and target is not None:
+        if seeded and target is not None and kwargs.get("generator") is None:
             out = _seeded(self.spec, func, args, kwargs, target)
         else:
             out = func(*args, **kwargs)
@@ -638,6 +638,35 @@ def _make_wrapper_subclass_for(original: Any) -> Callable[..., Any]:
         return out
 
     return make_wrapper_subclass
+
+
+_GeneratorBase = torch._C.Generator
+
+
+class _GeneratorKind(type(_GeneratorBase)):  # type: ignore[misc]
+    # isinstance(torch.default_generator, torch.Generator) stays true while torch.Generator is this
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _GeneratorBase)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _GeneratorBase)
+
+
+class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
+    """``torch.Generator(device="cuda")``: a generator of the storage device that says it is CUDA's."""
+
+    def __new__(cls, device: Any = "cpu") -> _UserGenerator:
+        target = _cuda_device(device)
+        storage = (_ACTIVE.spec.storage if _ACTIVE.spec is not None else _CPU) if target is not None else device
+        return _GeneratorBase.__new__(cls, storage)
+
+    def __init__(self, device: Any = "cpu") -> None:
+        target = _cuda_device(device)
+        self._meshsim_device = target if target is not None else torch.device(device)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._meshsim_device
 
 
 # -- torch.cuda -------------------------------------------------------------------------------
@@ -1059,6 +1088,7 @@ def _install(spec: Spec) -> None:
             undo.append(_set_attr(torch, name, _made_on(getattr(torch, name))))
         undo.append(_set_attr(torch.Tensor, "new_tensor", _made_on(torch._C.TensorBase.new_tensor)))
         undo.append(_set_attr(torch, "compile", _compile_for(torch.compile)))
+        undo.append(_set_attr(torch, "Generator", _UserGenerator))
         original = torch.Tensor._make_wrapper_subclass
         undo.append(_set_attr(torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass_for(original))))
     except BaseException:

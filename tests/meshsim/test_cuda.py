@@ -108,6 +108,11 @@ def test_the_cuda_rng_is_per_rank_and_per_device_and_apart_from_the_cpu_rng():
         torch.manual_seed(7)
         torch.randn(5, device="cuda")  # draws from the CUDA generator, not the CPU's
         cpu_after = torch.randn(2)
+        user = torch.Generator(device="cuda").manual_seed(5)
+        own = (str(user.device), isinstance(torch.default_generator, torch.Generator), isinstance(user, torch.Generator))
+        drawn = torch.randn(3, device="cuda", generator=user)
+        user.manual_seed(5)
+        assert torch.equal(drawn, torch.randn(3, device="cuda", generator=user)) and own == ("cuda:0", True, True)
         with torch.random.fork_rng(devices=[0]):
             torch.randn(4, device="cuda")
         forked_back = torch.cuda.get_rng_state(0)
