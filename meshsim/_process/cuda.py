@@ -559,6 +559,42 @@ def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
         setattr(self, _TAG, tag)
 
 
+_REAL_GRAD = torch._C.TensorBase.grad
+
+
+def _get_grad(self: torch.Tensor) -> torch.Tensor | None:
+    # A gradient lives where its tensor does; one a compiled backward made on the
+    # storage device without an op the mode sees takes its tensor's device here.
+    grad = _REAL_GRAD.__get__(self)
+    if grad is not None:
+        tag = getattr(self, _TAG, None)
+        if tag is not None and getattr(grad, _TAG, None) is None:
+            _tag_untagged(grad, tag)
+    return grad
+
+
+def _set_grad(self: torch.Tensor, value: torch.Tensor | None) -> None:
+    _REAL_GRAD.__set__(self, value)
+
+
+def _del_grad(self: torch.Tensor) -> None:
+    _REAL_GRAD.__delete__(self)
+
+
+def _autograd_grad_for(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        grads = original(outputs, inputs, *args, **kwargs)
+        tensors = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        for tensor, result in zip(tensors, grads):
+            tag = getattr(tensor, _TAG, None) if isinstance(tensor, torch.Tensor) else None
+            if tag is not None and result is not None:
+                _tag_untagged(result, tag)
+        return grads
+
+    return grad
+
+
 def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.tensor`` and its kin, whose ``device=`` torch checks before any op runs."""
 
@@ -1089,6 +1125,8 @@ def _install(spec: Spec) -> None:
         undo.append(_set_attr(torch.Tensor, "new_tensor", _made_on(torch._C.TensorBase.new_tensor)))
         undo.append(_set_attr(torch, "compile", _compile_for(torch.compile)))
         undo.append(_set_attr(torch, "Generator", _UserGenerator))
+        undo.append(_set_attr(torch.Tensor, "grad", property(_get_grad, _set_grad, _del_grad)))
+        undo.append(_set_attr(torch.autograd, "grad", _autograd_grad_for(torch.autograd.grad)))
         original = torch.Tensor._make_wrapper_subclass
         undo.append(_set_attr(torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass_for(original))))
     except BaseException:
