@@ -251,9 +251,18 @@ def test_torch_compile_of_a_function_taking_cuda_tensors():
         x = torch.ones(4, device="cuda")
         y = f(x)
         z = torch.compile(lambda t: t.cos() * 3)(x)  # Inductor
-        return counter.frame_count, y.device.type, torch.allclose(y.cpu(), (torch.ones(4) * 2).sin() + 1), z.device.type
+        leaf = torch.ones(4, device="cuda", requires_grad=True)
+        torch.compile(lambda t: (t * t).sum())(leaf).backward()  # Inductor's backward makes the gradient
+        (grad,) = torch.autograd.grad(torch.compile(lambda t: (t * 3).sum())(leaf), [leaf])
+        return (
+            counter.frame_count,
+            y.device.type,
+            torch.allclose(y.cpu(), (torch.ones(4) * 2).sin() + 1),
+            z.device.type,
+            (str(leaf.grad.device), leaf.grad.tolist(), str(grad.device)),
+        )
 
-    assert _run(body, 1) == [(1, "cuda", True, "cuda")]
+    assert _run(body, 1) == [(1, "cuda", True, "cuda", ("cuda:0", [2.0] * 4, "cuda:0"))]
 
 
 class _Moving(torch.Tensor):
