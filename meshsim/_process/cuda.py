@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshsim._process.handover import declare_accessor
 
-__all__ = ["Spec", "acquire", "active", "devices_wanted", "enter_rank", "from_environment", "leave_rank", "parse", "release"]
+__all__ = ["Spec", "acquire", "active", "devices_wanted", "emulate_in_process", "enter_rank", "from_environment", "leave_rank", "parse", "release"]
 
 _TAG = "_meshsim_cuda"  # the attribute a CUDA tensor carries: its torch.device("cuda", k)
 _PINNED = "_meshsim_pinned"
@@ -1127,6 +1127,7 @@ def _install(spec: Spec) -> None:
         undo.append(_set_attr(torch, "Generator", _UserGenerator))
         undo.append(_set_attr(torch.Tensor, "grad", property(_get_grad, _set_grad, _del_grad)))
         undo.append(_set_attr(torch.autograd, "grad", _autograd_grad_for(torch.autograd.grad)))
+        undo.append(_children_emulate(spec))
         original = torch.Tensor._make_wrapper_subclass
         undo.append(_set_attr(torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass_for(original))))
     except BaseException:
@@ -1150,6 +1151,72 @@ def _set_attr(owner: Any, name: str, value: Any) -> Callable[[], None]:
             setattr(owner, name, before)
 
     return undo
+
+
+# -- processes user code starts -------------------------------------------------------------------
+
+
+def _children_emulate(spec: Spec) -> Callable[[], None]:
+    """Processes started with multiprocessing's ``spawn`` (``torch.multiprocessing.spawn``) emulate too.
+
+    Such a child is a new interpreter that runs ``-c "...spawn_main(...)"``: the program
+    gets :func:`emulate_in_process` in front of it. Checked with Python 3.10-3.13's
+    ``multiprocessing.spawn.get_command_line``.
+    """
+    import multiprocessing.spawn as mp_spawn
+
+    original = mp_spawn.get_command_line
+    storage = "cpu" if spec.storage.type == "cpu" else str(spec.storage)
+
+    def get_command_line(**kwds: Any) -> list[str]:
+        line = list(original(**kwds))
+        if "-c" in line:
+            at = line.index("-c") + 1
+            line[at] = (
+                f"import meshsim._process.cuda as _c; _c.emulate_in_process({storage!r}, {spec.devices}); "
+                + line[at]
+            )
+        return line
+
+    return _set_attr(mp_spawn, "get_command_line", get_command_line)
+
+
+def emulate_in_process(storage: str, devices: int) -> None:
+    """Emulate CUDA in this whole process (a child user code started): NCCL groups are gloo groups.
+
+    The process is a real rank of a real job: its ``init_process_group("nccl", device_id=...)``
+    and ``new_group(backend="nccl")`` make gloo groups, whose CPU tensors are what the
+    emulated CUDA tensors hold. Not undone: the process is the child's alone.
+    """
+    spec = parse(storage, devices=devices)
+    if spec is None:
+        return
+    acquire(spec)
+    enter_rank()
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in ("init_process_group", "new_group"):
+        gloo = _nccl_as_gloo(getattr(c10d, name))
+        setattr(c10d, name, gloo)
+        setattr(dist, name, gloo)
+
+
+def _nccl_as_gloo(original: Callable[..., Any]) -> Callable[..., Any]:
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs)
+        backend = bound.arguments.get("backend")
+        if backend is not None and "nccl" in str(backend).lower():
+            bound.arguments["backend"] = "gloo"
+            bound.arguments.pop("device_id", None)
+        return original(*bound.args, **bound.kwargs)
+
+    return call
 
 
 # -- per thread ---------------------------------------------------------------------------------

@@ -348,3 +348,34 @@ def test_the_environment_variable_turns_it_on_for_run(monkeypatch):
     assert meshsim.run(lambda: torch.cuda.is_available(), 2) == [True, True]
     monkeypatch.setenv("MESHSIM_CUDA", "off")
     assert meshsim.run(lambda: torch.cuda.is_available(), 2) == [False, False]
+
+
+def _spawned_rank(rank, world_size, port):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        torch.cuda.set_device(rank)
+        x = torch.full((2,), float(rank), device="cuda")
+        dist.all_reduce(x)
+        if not (x.device == torch.device("cuda", rank) and x.tolist() == [1.0, 1.0]):
+            raise AssertionError(f"rank {rank}: {x!r} on {x.device}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_the_code_spawns_emulate_too():
+    """torch.multiprocessing.spawn's children (PhysicsNeMo's dynamic tests): NCCL groups are gloo groups there."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    def body():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_spawned_rank, args=(2, port), nprocs=2, join=True)  # raises if a child fails
+        return "joined"
+
+    assert _run(body, 1, timeout=120) == ["joined"]
