@@ -78,7 +78,11 @@ class Session:
         return world.call(fn, args, name=name)
 
     def close(self) -> None:
-        """End the world (if one runs), letting every rank finish; raises if that fails."""
+        """End the world (if one runs), letting every rank finish; raises if that fails.
+
+        A world a failed (or skipped) call ended was reported by that call: closing the
+        session does not raise it again.
+        """
         world, self._world = self._world, None
-        if world is not None:
+        if world is not None and not world.closed:
             world.close()

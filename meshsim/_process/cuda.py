@@ -252,7 +252,7 @@ _tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a f
 def device_of(tensor: torch.Tensor) -> torch.device:
     """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
     tag = getattr(tensor, _TAG, None)
-    if tag is not None:
+    if tag is not None and not getattr(_kernel, "depth", 0):
         # While torch.compile compiles (a frame's tracing context or a fake mode on), the
         # compiler sees the storage it compiles for.
         if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
@@ -311,16 +311,28 @@ def _storage(spec: Spec) -> torch.device:
 
 # -- the dispatch mode: factories, tags, seeded ops, memory -------------------------------
 
-_op_facts: dict[Any, tuple[bool, bool]] = {}  # op -> (allocates new storage, draws random numbers)
+# op -> (allocates new storage, draws random numbers, has a CUDA kernel and no CPU one)
+_op_facts: dict[Any, tuple[bool, bool, bool]] = {}
+_CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+_kernel = threading.local()  # depth: how many ops this thread's mode is running now
 
 
-def _facts(func: Any) -> tuple[bool, bool]:
+def _facts(func: Any) -> tuple[bool, bool, bool]:
     facts = _op_facts.get(func)
     if facts is None:
         schema = func._schema
         allocates = not any(r.alias_info is not None for r in schema.returns) and bool(schema.returns)
         seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-        facts = _op_facts[func] = (allocates, seeded)
+        name = func.name()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        cuda_only = (
+            func.namespace not in ("aten", "prims")
+            and has(name, "CUDA")
+            and not has(name, "CPU")
+            and not has(name, "CompositeExplicitAutograd")
+            and not has(name, "CompositeImplicitAutograd")
+        )
+        facts = _op_facts[func] = (allocates, seeded, cuda_only)
     return facts
 
 
@@ -383,11 +395,19 @@ class _CudaMode(TorchDispatchMode):
                 target = _first_tag(args)
         else:
             target = _first_tag(args)
-        allocates, seeded = _facts(func)
-        if seeded and target is not None and kwargs.get("generator") is None:
-            out = _seeded(self.spec, func, args, kwargs, target)
-        else:
-            out = func(*args, **kwargs)
+        allocates, seeded, cuda_only = _facts(func)
+        # Python kernels the op runs (a torch.library custom op's) see the storage device,
+        # as kernels do: what they make is tagged on the way out.
+        _kernel.depth = depth = getattr(_kernel, "depth", 0) + 1
+        try:
+            if seeded and target is not None and kwargs.get("generator") is None:
+                out = _seeded(self.spec, func, args, kwargs, target)
+            elif cuda_only and target is not None:
+                out = func.redispatch(_CUDA_KEYS, *args, **kwargs)  # its CUDA kernel, on the storage
+            else:
+                out = func(*args, **kwargs)
+        finally:
+            _kernel.depth = depth - 1
         if target is not None:
             _tag(out, target)
             if allocates:

@@ -129,3 +129,23 @@ def test_both_suites_at_once_is_a_usage_error(pytester: pytest.Pytester) -> None
 def test_the_options_are_documented(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--help")
     result.stdout.fnmatch_lines(["*--multigpu-static*the multi-GPU static suite*", "*--multigpu-dynamic*"])
+
+
+def test_a_static_suite_whose_last_test_skips_on_its_ranks_exits_cleanly(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_last_skips="""
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.multigpu_static
+        def test_collective():
+            dist.barrier()
+
+        @pytest.mark.multigpu_static
+        def test_skips_last():
+            pytest.skip("needs symmetric memory")
+        """
+    )
+    result = pytester.runpytest_subprocess("--multigpu-static", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.OK
+    assert "Traceback" not in result.stderr.str()
