@@ -17,6 +17,17 @@ world size has its own ranks, so a ``multigpu_static`` test run on 2 and on 4
 ranks keeps both. Test ids (in natural order) and ranks are sorted, and nothing
 is aligned: a changed call is a one-line change in review.
 
+Given a topology, an entry also carries ``"estimate of N on TOPOLOGY": "18.4 us"``:
+the critical path of the N ranks' calls on that topology
+(:func:`meshsim._observe.cost.critical_path`), so that a change which multiplies
+what a test would cost on GPUs shows in the file's diff even when its lines look
+alike. Later runs on that topology check it: more than 10% apart either way
+(:data:`ESTIMATE_TOLERANCE`) is a mismatch, less is not (the stored figure is
+rounded, and a small recalibration of the model should not rewrite every file).
+An entry without an estimate for the run's topology has nothing to check (and
+gets one only when it is written: created, or ``update``); rewriting a world
+size's lines drops its estimates on other topologies, which priced the old lines.
+
 Writers lock the folder (``flock``, where the platform has it) and replace the file
 atomically, so ``pytest -n auto`` workers may write different keys of one file at
 once and readers never see half a file.
@@ -37,20 +48,27 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import filelock
 
 from meshsim._observe.ledger import Collective, Ledger
 
-__all__ = ["SnapshotMismatchError", "check_snapshot", "snapshot_lines"]
+if TYPE_CHECKING:
+    from meshsim._observe.topology import Topology
+
+__all__ = ["ESTIMATE_TOLERANCE", "SnapshotMismatchError", "check_snapshot", "snapshot_lines"]
 
 VERSION = 1
 _ABOUT = (
     "meshsim ledger snapshots: per test id and rank, one line per collective: op api group dtype "
-    "in=bytes out=bytes [reduce op] [peer=global rank]. Rewritten by pytest --mesh-snapshot-update."
+    'in=bytes out=bytes [reduce op] [peer=global rank]; "estimate of N on TOPOLOGY": the N ranks\' '
+    "estimated communication time on that GPU topology (pytest --mesh-cost), checked within 10%. "
+    "Rewritten by pytest --mesh-snapshot-update."
 )
 _LOCK_TIMEOUT = 60.0  # seconds a writer waits for another one to finish with the file
+ESTIMATE_TOLERANCE = 0.10  # a stored estimate matches a run's within 10% either way
+_ESTIMATE = "estimate of "  # the prefix of an entry's estimate names
 
 Outcome = Literal["created", "matched", "updated"]
 
@@ -61,14 +79,17 @@ class SnapshotMismatchError(AssertionError):
     Attributes:
         path: the snapshot file.
         key: the entry that differs (a test id).
-        ranks: the ranks whose collectives differ, in order.
+        ranks: the ranks whose collectives differ, in order (none when only the
+            estimate differs).
     """
 
-    def __init__(self, path: Path, key: str, world_size: int, diffs: Mapping[int, str]) -> None:
+    def __init__(
+        self, path: Path, key: str, world_size: int, diffs: Mapping[int, str], estimate: str | None = None
+    ) -> None:
         self.path = path
         self.key = key
         self.ranks = tuple(sorted(diffs))
-        super().__init__(_mismatch_message(path, key, world_size, diffs))
+        super().__init__(_mismatch_message(path, key, world_size, diffs, estimate))
 
 
 def snapshot_line(call: Collective) -> str:
@@ -96,6 +117,7 @@ def check_snapshot(
     *,
     update: bool = False,
     write: bool = True,
+    topology: Topology | str | None = None,
 ) -> Outcome:
     """Compare every rank's ledger with the snapshot stored under ``key``; store it if there is none.
 
@@ -109,6 +131,10 @@ def check_snapshot(
         update: store these ledgers in place of the entry instead of comparing.
         write: False to never write the file (the ranks of a job that share one
             file, but one); outcomes are then what writing would have done.
+        topology: where given (a :class:`~meshsim.Topology` or a preset name), the
+            entry also holds the ranks' estimated communication time on it (the
+            critical path across them), and a stored one is checked within
+            :data:`ESTIMATE_TOLERANCE` (see the module's docstring).
 
     Returns:
         ``"created"`` when the file had no entry for this key and number of ranks (now
@@ -117,37 +143,87 @@ def check_snapshot(
 
     Raises:
         SnapshotMismatchError: without ``update``, some rank's collectives differ from
-            the entry; the message has a unified diff per rank.
+            the entry, or the estimate from the stored one; the message has a unified
+            diff per rank and both estimates.
         ValueError: ``ledgers`` is empty, or ``path`` is not a snapshot file (a merge
-            conflict, say); the message names it.
+            conflict, say); the message names it. An unknown preset name, or ledgers
+            that do not line up across ranks (:func:`~meshsim._observe.cost.critical_path`).
         TimeoutError: another writer held the file for a minute.
     """
     if not ledgers:
         raise ValueError(f"check_snapshot({key!r}) needs one ledger per rank, got none")
     path = Path(path)
-    runs = {_rank_key(rank, len(ledgers)): snapshot_lines(ledger) for rank, ledger in enumerate(ledgers)}
+    n = len(ledgers)
+    runs: dict[str, Any] = {_rank_key(rank, n): snapshot_lines(ledger) for rank, ledger in enumerate(ledgers)}
     stored = _entry(_load(path), key)
     mine = {name: stored[name] for name in runs if name in stored}
-    if mine == runs:
+    estimate = _estimate(ledgers, topology)  # (its name, this run's figure) or None
+    if not mine:
+        if write:
+            _store(path, key, dict([estimate]) if estimate else {}, runs, stale=_estimates_of(stored, n))
+        return "created"
+    diffs = {rank: _diff(mine.get(name), lines) for rank, (name, lines) in enumerate(runs.items())}
+    diffs = {r: d for r, d in diffs.items() if d}
+    moved = _estimate_moved(stored, estimate)
+    unpriced = estimate is not None and estimate[0] not in stored
+    if not diffs and moved is None and not (update and unpriced):
         return "matched"
-    if mine and not update:
-        diffs = {rank: _diff(mine.get(name), lines) for rank, (name, lines) in enumerate(runs.items())}
-        raise SnapshotMismatchError(path, key, len(ledgers), {r: d for r, d in diffs.items() if d})
+    if not update:
+        raise SnapshotMismatchError(path, key, n, diffs, moved)
     if write:
-        _store(path, key, runs)
-    return "updated" if mine else "created"
+        stale = _estimates_of(stored, n) if diffs else []  # they priced the old lines
+        _store(path, key, dict([estimate]) if estimate else {}, runs, stale=stale)
+    return "updated"
+
+
+def _estimate(ledgers: Sequence[Ledger], topology: Topology | str | None) -> tuple[str, str] | None:
+    """The entry's estimate on ``topology``: its name and this run's critical path, or None."""
+    if topology is None:
+        return None
+    from meshsim._observe import cost  # here: cost imports the ledger, as this module does
+    from meshsim._observe.topology import resolve
+
+    topo = resolve(topology)
+    seconds = cost.critical_path(ledgers, topo).total
+    return f"{_ESTIMATE}{len(ledgers)} on {topo.name}", cost.format_seconds(seconds)
+
+
+def _estimate_moved(stored: dict[str, Any], estimate: tuple[str, str] | None) -> str | None:
+    """What the message says when the stored estimate and this run's are over the tolerance apart."""
+    if estimate is None or estimate[0] not in stored:
+        return None  # an entry written without the estimate (or on another topology): no check
+    from meshsim._observe.cost import parse_seconds
+
+    name, text = estimate
+    before, now = parse_seconds(stored[name]), parse_seconds(text)
+    low, high = sorted((before, now))
+    if high <= low * (1 + ESTIMATE_TOLERANCE):
+        return None
+    factor = f"{now / before:.3g}x" if before > 0 else "up from nothing"
+    return (
+        f"{name}: stored {stored[name]}, this run {text} ({factor}; "
+        f"the tolerance is {ESTIMATE_TOLERANCE:.0%} either way)"
+    )
+
+
+def _estimates_of(stored: dict[str, Any], world_size: int) -> list[str]:
+    """The names of the entry's estimates for ``world_size`` ranks, on any topology."""
+    prefix = f"{_ESTIMATE}{world_size} on "
+    return [name for name in stored if name.startswith(prefix)]
 
 
 def _rank_key(rank: int, world_size: int) -> str:
     return f"rank {rank} of {world_size}"
 
 
-def _rank_order(name: str) -> tuple[int, int]:
-    """``"rank R of N"`` sorts by N, then R; anything else (a hand edit) after them."""
+def _rank_order(name: str) -> tuple[int, int, str]:
+    """``"rank R of N"`` sorts by N, then R, then N's estimates; anything else (a hand edit) after them."""
     words = name.split()
     if len(words) == 4 and words[1].isdigit() and words[3].isdigit():
-        return int(words[3]), int(words[1])
-    return (1 << 62, 0)
+        return int(words[3]), int(words[1]), ""
+    if name.startswith(_ESTIMATE) and len(words) >= 5 and words[2].isdigit():
+        return int(words[2]), 1 << 61, name
+    return (1 << 62, 0, name)
 
 
 def _id_order(key: str) -> list[Any]:
@@ -164,8 +240,15 @@ def _diff(stored: list[str] | None, lines: list[str]) -> str:
     return "\n".join(diff)
 
 
-def _mismatch_message(path: Path, key: str, world_size: int, diffs: Mapping[int, str]) -> str:
+def _mismatch_message(
+    path: Path, key: str, world_size: int, diffs: Mapping[int, str], estimate: str | None
+) -> str:
     ranks = sorted(diffs)
+    if not ranks:
+        return (
+            f"the estimated communication time of {key} on {world_size} ranks differs from its "
+            f"ledger snapshot in {_shown(path)} (the collectives are the same):\n{estimate}"
+        )
     which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     lines = [
         f"the collectives of {key} on {which} (of {world_size}) differ from its ledger snapshot "
@@ -179,6 +262,8 @@ def _mismatch_message(path: Path, key: str, world_size: int, diffs: Mapping[int,
             continue
         lines.append(f"rank {rank}:")
         lines += [f"  {line}" for line in diffs[rank].splitlines()]
+    if estimate is not None:
+        lines.append(estimate)
     return "\n".join(lines)
 
 
@@ -193,8 +278,9 @@ def _shown(path: Path) -> str:
 # -- the file -------------------------------------------------------------------
 
 
-def _entry(document: dict[str, Any], key: str) -> dict[str, list[str]]:
-    entry: dict[str, list[str]] = document["tests"].get(key, {})
+def _entry(document: dict[str, Any], key: str) -> dict[str, Any]:
+    """The entry for ``key``: ``"rank R of N"`` -> lines, ``"estimate of N on T"`` -> a duration."""
+    entry: dict[str, Any] = document["tests"].get(key, {})
     return entry
 
 
@@ -218,7 +304,8 @@ def _load(path: Path) -> dict[str, Any]:
     if not _valid(document):
         raise ValueError(
             f"{_shown(path)} is not a ledger snapshot file of version {VERSION}: expected "
-            '{"version": 1, "tests": {test id: {"rank R of N": [line, ...]}}}. '
+            '{"version": 1, "tests": {test id: {"rank R of N": [line, ...], '
+            '"estimate of N on TOPOLOGY": "12.3 us"}}}. '
             "Delete it and rerun to write it afresh."
         )
     return document  # type: ignore[no-any-return]
@@ -231,20 +318,33 @@ def _valid(document: object) -> bool:
     if not isinstance(tests, dict):
         return False
     return all(
-        isinstance(entry, dict)
-        and all(
-            isinstance(lines, list) and all(isinstance(x, str) for x in lines) for lines in entry.values()
-        )
+        isinstance(entry, dict) and all(_valid_value(name, value) for name, value in entry.items())
         for entry in tests.values()
     )
 
 
-def _store(path: Path, key: str, runs: dict[str, list[str]]) -> None:
-    """Replace this run's ranks of entry ``key`` (other world sizes' stay), under the folder's lock."""
+def _valid_value(name: object, value: object) -> bool:
+    if isinstance(name, str) and name.startswith(_ESTIMATE):
+        from meshsim._observe.cost import parse_seconds
+
+        try:
+            parse_seconds(value)  # type: ignore[arg-type]
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+def _store(
+    path: Path, key: str, estimate: dict[str, str], runs: dict[str, Any], *, stale: Sequence[str]
+) -> None:
+    """Replace this run's ranks (and estimate) of entry ``key``, dropping ``stale`` names (other world
+    sizes' stay), under the folder's lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.parent):
         tests = _load(path)["tests"]  # again: another writer may have added keys since
-        entry = {**tests.get(key, {}), **runs}
+        kept = {name: value for name, value in tests.get(key, {}).items() if name not in stale}
+        entry = {**kept, **runs, **estimate}
         tests[key] = {name: entry[name] for name in sorted(entry, key=_rank_order)}
         ordered = {k: tests[k] for k in sorted(tests, key=_id_order)}
         text = json.dumps(
