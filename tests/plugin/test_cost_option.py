@@ -7,6 +7,7 @@ ledgers each program's tests must record, written out by hand here.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 
 import pytest
@@ -191,6 +192,49 @@ def test_the_simulated_static_suite_and_xdist_workers_price_their_tests(pytester
     )
     spread.assert_outcomes(passed=1)
     spread.stdout.fnmatch_lines([_row("test_gather", 4, 1)])  # counted by xdist's controller
+
+
+def test_torchrun_ranks_price_the_gathered_ledgers(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_static="""
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.multigpu_static
+        def test_static():
+            dist.all_reduce(torch.ones(256 * 1024))
+
+        @pytest.mark.multigpu_static
+        @pytest.mark.mesh_cost_budget("1us")
+        def test_over():
+            dist.all_reduce(torch.ones(256 * 1024))
+        """
+    )
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--multigpu-static",
+        "--mesh-cost=dgx-h100",
+        timeout=300,
+    )
+    estimate = _estimate("test_reduce")  # the same call on the same two ranks
+    result.stdout.fnmatch_lines(
+        [
+            "meshsim: --multigpu-static, rank 0 of 2",
+            f"test_static.py::test_over: estimated communication time {estimate} on dgx-h100 (the critical "
+            "path across its 2 ranks) is over its budget of 1.0 us (@pytest.mark.mesh_cost_budget)*",
+            f"{estimate}  test_static.py::test_over  (2 ranks, 1 call on the busiest)  over its budget*",
+            f"{estimate}  test_static.py::test_static  (2 ranks, 1 call on the busiest)",
+            "*1 failed, 1 passed*",
+        ],
+        consecutive=False,
+    )
 
 
 @pytest.mark.parametrize(
