@@ -225,8 +225,9 @@ def gpu_clock_events(calls: list[list[Collective]], topology: Topology) -> list[
     try:
         schedule = critical_path(calls, topology)
     except ValueError as error:
-        text = f"not priced: {str(error).splitlines()[0]}"
-        return [*events, {"name": text, "cat": "error", "ph": "i", "ts": 0, "pid": _GPU_PID, "s": "p"}]
+        why = {"error": str(error)}
+        instant = {"name": "not priced", "cat": "error", "ph": "i", "ts": 0, "pid": _GPU_PID, "s": "p"}
+        return [*events, {**instant, "args": why}]
     for rank in schedule.ranks:
         free = 0.0  # when the rank's previous call ended
         for span in schedule.of(rank):
