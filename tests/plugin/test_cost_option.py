@@ -374,13 +374,15 @@ def test_a_snapshot_carries_the_estimate_and_fails_when_it_moves(pytester: pytes
     # 64 times the bytes: the lines' diff, and the estimate's move beside it
     pytester.makepyfile(test_program=SNAPSHOT_PROGRAM.replace("N = 256 * 1024", "N = 64 * 256 * 1024"))
     big = format_seconds(critical_path([[_all_reduce((0, 1), 64 * MIB)]] * 2, "dgx-h100").total)
-    grown = pytester.runpytest_subprocess(*cost)
+    grown = pytester.runpytest_subprocess(*cost, "--mesh-cost-budget=100us")  # over it, too: both said
     grown.assert_outcomes(failed=1)
     grown.stdout.fnmatch_lines(
         [
             "*-all_reduce all_reduce [[]0,1[]] float32 in=1048576 out=1048576 SUM",
             "*+all_reduce all_reduce [[]0,1[]] float32 in=67108864 out=67108864 SUM",
             f"estimate of 2 on dgx-h100: stored {near}, this run {big} (*x; the tolerance is 10% either way)",
+            f"test_program.py::test_reduce: estimated communication time {big} on dgx-h100 (the critical "
+            "path across its 2 ranks) is over its budget of 100.0 us (--mesh-cost-budget)*",
         ],
         consecutive=False,
     )
