@@ -9,6 +9,7 @@ meshsim has it. Each feature is a plugin of its own, in :mod:`meshsim._pytest`:
 - :mod:`~meshsim._pytest.static`: the simulated static suite (one job for the session);
 - :mod:`~meshsim._pytest.launch`: torchrun's ranks, and ``--mesh-backend=spawn``'s launch;
 - :mod:`~meshsim._pytest.snapshots`: ledger snapshots;
+- :mod:`~meshsim._pytest.cost`: each test's estimated GPU communication time (``--mesh-cost``);
 - :mod:`~meshsim._pytest.findings`: the wasted-collectives report (``--mesh-redundant``);
 - :mod:`~meshsim._pytest.traces`: timelines per test (``--mesh-trace``);
 - :mod:`~meshsim._pytest.cuda`: GPU code without a GPU (``--mesh-cuda``).
@@ -24,6 +25,7 @@ pytest_plugins = [
     "meshsim._pytest.launch",
     "meshsim._pytest.static",
     "meshsim._pytest.snapshots",
+    "meshsim._pytest.cost",
     "meshsim._pytest.traces",
     "meshsim._pytest.findings",
     "meshsim._pytest.ranks",

@@ -63,6 +63,8 @@ rank) -> Estimate``; set it as ``Topology.model`` or pass ``model=`` here.
 
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -81,6 +83,7 @@ __all__ = [
     "format_seconds",
     "message_bytes",
     "nccl_model",
+    "parse_seconds",
     "table_column",
     "total",
 ]
@@ -310,6 +313,27 @@ def format_seconds(seconds: float) -> str:
     if seconds < 1.0:
         return f"{seconds * 1e3:.3f} ms"
     return f"{seconds:.3f} s"
+
+
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s)?")
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}
+
+
+def parse_seconds(text: str) -> float:
+    """A duration as :func:`format_seconds` writes it (``12.3 us``, ``1.234 ms``) or as a
+    user types it (``0.002``, ``2ms``, ``500us``), in seconds; a bare number is seconds.
+
+    Raises:
+        ValueError: ``text`` is not a duration of 0 or more; the message quotes it.
+    """
+    match = _DURATION.fullmatch(text.strip()) if isinstance(text, str) else None
+    value = float(match.group(1)) * _UNITS[match.group(2)] if match else math.nan
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{text!r} is not a duration; expected seconds of 0 or more, as a number (0.002) "
+            "or with a unit: us, ms or s (500us, 2ms, 1.5 s)"
+        )
+    return value
 
 
 # -- every rank's ledger on one clock ------------------------------------------------------

@@ -17,6 +17,17 @@ world size has its own ranks, so a ``multigpu_static`` test run on 2 and on 4
 ranks keeps both. Test ids (in natural order) and ranks are sorted, and nothing
 is aligned: a changed call is a one-line change in review.
 
+Given a topology, an entry also carries ``"estimate of N on TOPOLOGY": "18.4 us"``:
+the critical path of the N ranks' calls on that topology
+(:func:`meshsim._observe.cost.critical_path`), so that a change which multiplies
+what a test would cost on GPUs shows in the file's diff even when its lines look
+alike. Later runs on that topology check it: more than 10% apart either way
+(:data:`ESTIMATE_TOLERANCE`) is a mismatch, less is not (the stored figure is
+rounded, and a small recalibration of the model should not rewrite every file).
+An entry without an estimate for the run's topology has nothing to check (and
+gets one only when it is written: created, or ``update``); rewriting a world
+size's lines drops its estimates on other topologies, which priced the old lines.
+
 Writers lock the folder (``flock``, where the platform has it) and replace the file
 atomically, so ``pytest -n auto`` workers may write different keys of one file at
 once and readers never see half a file.
@@ -29,28 +40,20 @@ bytes are exact integers, not the table's rounded units).
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import os
-import re
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
-
-import filelock
+from typing import TYPE_CHECKING, Any, Literal
 
 from meshsim._observe.ledger import Collective, Ledger
+from meshsim._observe.snapshot_file import ESTIMATE, entry_of, load, shown, store
 
-__all__ = ["SnapshotMismatchError", "check_snapshot", "snapshot_lines"]
+if TYPE_CHECKING:
+    from meshsim._observe.topology import Topology
 
-VERSION = 1
-_ABOUT = (
-    "meshsim ledger snapshots: per test id and rank, one line per collective: op api group dtype "
-    "in=bytes out=bytes [reduce op] [peer=global rank]. Rewritten by pytest --mesh-snapshot-update."
-)
-_LOCK_TIMEOUT = 60.0  # seconds a writer waits for another one to finish with the file
+__all__ = ["ESTIMATE_TOLERANCE", "SnapshotMismatchError", "check_snapshot", "snapshot_lines"]
+
+ESTIMATE_TOLERANCE = 0.10  # a stored estimate matches a run's within 10% either way
 
 Outcome = Literal["created", "matched", "updated"]
 
@@ -61,14 +64,17 @@ class SnapshotMismatchError(AssertionError):
     Attributes:
         path: the snapshot file.
         key: the entry that differs (a test id).
-        ranks: the ranks whose collectives differ, in order.
+        ranks: the ranks whose collectives differ, in order (none when only the
+            estimate differs).
     """
 
-    def __init__(self, path: Path, key: str, world_size: int, diffs: Mapping[int, str]) -> None:
+    def __init__(
+        self, path: Path, key: str, world_size: int, diffs: Mapping[int, str], estimate: str | None = None
+    ) -> None:
         self.path = path
         self.key = key
         self.ranks = tuple(sorted(diffs))
-        super().__init__(_mismatch_message(path, key, world_size, diffs))
+        super().__init__(_mismatch_message(path, key, world_size, diffs, estimate))
 
 
 def snapshot_line(call: Collective) -> str:
@@ -96,6 +102,7 @@ def check_snapshot(
     *,
     update: bool = False,
     write: bool = True,
+    topology: Topology | str | None = None,
 ) -> Outcome:
     """Compare every rank's ledger with the snapshot stored under ``key``; store it if there is none.
 
@@ -109,6 +116,10 @@ def check_snapshot(
         update: store these ledgers in place of the entry instead of comparing.
         write: False to never write the file (the ranks of a job that share one
             file, but one); outcomes are then what writing would have done.
+        topology: where given (a :class:`~meshsim.Topology` or a preset name), the
+            entry also holds the ranks' estimated communication time on it (the
+            critical path across them), and a stored one is checked within
+            :data:`ESTIMATE_TOLERANCE` (see the module's docstring).
 
     Returns:
         ``"created"`` when the file had no entry for this key and number of ranks (now
@@ -117,42 +128,77 @@ def check_snapshot(
 
     Raises:
         SnapshotMismatchError: without ``update``, some rank's collectives differ from
-            the entry; the message has a unified diff per rank.
+            the entry, or the estimate from the stored one; the message has a unified
+            diff per rank and both estimates.
         ValueError: ``ledgers`` is empty, or ``path`` is not a snapshot file (a merge
-            conflict, say); the message names it.
+            conflict, say); the message names it. An unknown preset name, or ledgers
+            that do not line up across ranks (:func:`~meshsim._observe.cost.critical_path`).
         TimeoutError: another writer held the file for a minute.
     """
     if not ledgers:
         raise ValueError(f"check_snapshot({key!r}) needs one ledger per rank, got none")
     path = Path(path)
-    runs = {_rank_key(rank, len(ledgers)): snapshot_lines(ledger) for rank, ledger in enumerate(ledgers)}
-    stored = _entry(_load(path), key)
+    n = len(ledgers)
+    runs: dict[str, Any] = {_rank_key(rank, n): snapshot_lines(ledger) for rank, ledger in enumerate(ledgers)}
+    stored = entry_of(load(path), key)
     mine = {name: stored[name] for name in runs if name in stored}
-    if mine == runs:
+    estimate = _estimate(ledgers, topology)  # (its name, this run's figure) or None
+    if not mine:
+        if write:
+            store(path, key, dict([estimate]) if estimate else {}, runs, stale=_estimates_of(stored, n))
+        return "created"
+    diffs = {rank: _diff(mine.get(name), lines) for rank, (name, lines) in enumerate(runs.items())}
+    diffs = {r: d for r, d in diffs.items() if d}
+    moved = _estimate_moved(stored, estimate)
+    unpriced = estimate is not None and estimate[0] not in stored
+    if not diffs and moved is None and not (update and unpriced):
         return "matched"
-    if mine and not update:
-        diffs = {rank: _diff(mine.get(name), lines) for rank, (name, lines) in enumerate(runs.items())}
-        raise SnapshotMismatchError(path, key, len(ledgers), {r: d for r, d in diffs.items() if d})
+    if not update:
+        raise SnapshotMismatchError(path, key, n, diffs, moved)
     if write:
-        _store(path, key, runs)
-    return "updated" if mine else "created"
+        stale = _estimates_of(stored, n) if diffs else []  # they priced the old lines
+        store(path, key, dict([estimate]) if estimate else {}, runs, stale=stale)
+    return "updated"
+
+
+def _estimate(ledgers: Sequence[Ledger], topology: Topology | str | None) -> tuple[str, str] | None:
+    """The entry's estimate on ``topology``: its name and this run's critical path, or None."""
+    if topology is None:
+        return None
+    from meshsim._observe import cost  # here: cost imports the ledger, as this module does
+    from meshsim._observe.topology import resolve
+
+    topo = resolve(topology)
+    seconds = cost.critical_path(ledgers, topo).total
+    return f"{ESTIMATE}{len(ledgers)} on {topo.name}", cost.format_seconds(seconds)
+
+
+def _estimate_moved(stored: dict[str, Any], estimate: tuple[str, str] | None) -> str | None:
+    """What the message says when the stored estimate and this run's are over the tolerance apart."""
+    if estimate is None or estimate[0] not in stored:
+        return None  # an entry written without the estimate (or on another topology): no check
+    from meshsim._observe.cost import parse_seconds
+
+    name, text = estimate
+    before, now = parse_seconds(stored[name]), parse_seconds(text)
+    low, high = sorted((before, now))
+    if high <= low * (1 + ESTIMATE_TOLERANCE):
+        return None
+    factor = f"{now / before:.3g}x" if before > 0 else "up from nothing"
+    return (
+        f"{name}: stored {stored[name]}, this run {text} ({factor}; "
+        f"the tolerance is {ESTIMATE_TOLERANCE:.0%} either way)"
+    )
+
+
+def _estimates_of(stored: dict[str, Any], world_size: int) -> list[str]:
+    """The names of the entry's estimates for ``world_size`` ranks, on any topology."""
+    prefix = f"{ESTIMATE}{world_size} on "
+    return [name for name in stored if name.startswith(prefix)]
 
 
 def _rank_key(rank: int, world_size: int) -> str:
     return f"rank {rank} of {world_size}"
-
-
-def _rank_order(name: str) -> tuple[int, int]:
-    """``"rank R of N"`` sorts by N, then R; anything else (a hand edit) after them."""
-    words = name.split()
-    if len(words) == 4 and words[1].isdigit() and words[3].isdigit():
-        return int(words[3]), int(words[1])
-    return (1 << 62, 0)
-
-
-def _id_order(key: str) -> list[Any]:
-    """Test ids in natural order: ``test[2]`` before ``test[10]``."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
 def _diff(stored: list[str] | None, lines: list[str]) -> str:
@@ -164,12 +210,19 @@ def _diff(stored: list[str] | None, lines: list[str]) -> str:
     return "\n".join(diff)
 
 
-def _mismatch_message(path: Path, key: str, world_size: int, diffs: Mapping[int, str]) -> str:
+def _mismatch_message(
+    path: Path, key: str, world_size: int, diffs: Mapping[int, str], estimate: str | None
+) -> str:
     ranks = sorted(diffs)
+    if not ranks:
+        return (
+            f"the estimated communication time of {key} on {world_size} ranks differs from its "
+            f"ledger snapshot in {shown(path)} (the collectives are the same):\n{estimate}"
+        )
     which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     lines = [
         f"the collectives of {key} on {which} (of {world_size}) differ from its ledger snapshot "
-        f"in {_shown(path)}:"
+        f"in {shown(path)}:"
     ]
     first_with: dict[str, int] = {}
     for rank in ranks:
@@ -179,111 +232,6 @@ def _mismatch_message(path: Path, key: str, world_size: int, diffs: Mapping[int,
             continue
         lines.append(f"rank {rank}:")
         lines += [f"  {line}" for line in diffs[rank].splitlines()]
+    if estimate is not None:
+        lines.append(estimate)
     return "\n".join(lines)
-
-
-def _shown(path: Path) -> str:
-    """``path`` relative to the working directory when it is below it, for messages."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-# -- the file -------------------------------------------------------------------
-
-
-def _entry(document: dict[str, Any], key: str) -> dict[str, list[str]]:
-    entry: dict[str, list[str]] = document["tests"].get(key, {})
-    return entry
-
-
-def _load(path: Path) -> dict[str, Any]:
-    """The file's contents (an empty document when it does not exist).
-
-    Raises:
-        ValueError: it is not a snapshot file of this version.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {"tests": {}}
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"{_shown(path)} is not a ledger snapshot file: not JSON ({error}). Resolve the merge "
-            "conflict, or delete it and rerun to write it afresh."
-        ) from None
-    if not _valid(document):
-        raise ValueError(
-            f"{_shown(path)} is not a ledger snapshot file of version {VERSION}: expected "
-            '{"version": 1, "tests": {test id: {"rank R of N": [line, ...]}}}. '
-            "Delete it and rerun to write it afresh."
-        )
-    return document  # type: ignore[no-any-return]
-
-
-def _valid(document: object) -> bool:
-    if not isinstance(document, dict) or document.get("version") != VERSION:
-        return False
-    tests = document.get("tests")
-    if not isinstance(tests, dict):
-        return False
-    return all(
-        isinstance(entry, dict)
-        and all(
-            isinstance(lines, list) and all(isinstance(x, str) for x in lines) for lines in entry.values()
-        )
-        for entry in tests.values()
-    )
-
-
-def _store(path: Path, key: str, runs: dict[str, list[str]]) -> None:
-    """Replace this run's ranks of entry ``key`` (other world sizes' stay), under the folder's lock."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.parent):
-        tests = _load(path)["tests"]  # again: another writer may have added keys since
-        entry = {**tests.get(key, {}), **runs}
-        tests[key] = {name: entry[name] for name in sorted(entry, key=_rank_order)}
-        ordered = {k: tests[k] for k in sorted(tests, key=_id_order)}
-        text = json.dumps(
-            {"about": _ABOUT, "version": VERSION, "tests": ordered}, indent=2, ensure_ascii=False
-        )
-        _replace(path, text + "\n")
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``path`` atomically: readers see the old file or the new one, never half of one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-@contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold the folder's writers' lock (``filelock``: fcntl on POSIX, msvcrt on Windows).
-
-    The lock file lives in the temporary directory, named after the folder, so nothing
-    is left beside the snapshots; every process of the machine writing there (xdist
-    workers, torchrun ranks) takes the same one.
-
-    Raises:
-        TimeoutError: another process held it for ``_LOCK_TIMEOUT`` seconds.
-    """
-    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    lock = filelock.FileLock(os.path.join(tempfile.gettempdir(), f"meshsim-snapshots-{key}.lock"))
-    try:
-        lock.acquire(timeout=_LOCK_TIMEOUT)
-    except filelock.Timeout:
-        raise TimeoutError(
-            f"another process held the lock on {_shown(folder)} for {_LOCK_TIMEOUT:g} s; "
-            "is a pytest run stuck?"
-        ) from None
-    try:
-        yield
-    finally:
-        lock.release()

@@ -12,6 +12,14 @@ Times are the simulation's wall clock, in microseconds from the world's start.
 Simulated ranks take turns on one CPU, so a slice shows order and waiting, not what
 the call would take on a GPU.
 
+Given a topology, a second process, ``estimated GPU clock, TOPOLOGY``, has the same
+ranks as threads and the world's completed collectives laid out as
+:func:`meshsim._observe.cost.critical_path` schedules them: a call starts when its
+last rank could start it and lasts the slowest rank's estimate. Compute is left
+out (it takes no time on that clock), so a gap on a rank's track is that rank
+waiting for a slower one; each slice's args hold the rank's own estimate and the
+wait before it. Point-to-point calls are not drawn on either process.
+
 A :class:`Tracer` is an instrument of the world (:mod:`meshsim._sim.instruments`)
 for one of its calls. Who writes where: ``meshsim.run(..., trace="world.json")`` names
 the file; the pytest plugin's ``--mesh-trace=DIR`` names one per test, through a
@@ -30,21 +38,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshsim._base.errors import WorldAborted
+from meshsim._observe.ledger import Collective
 from meshsim._sim.rendezvous import Instrument
 
 if TYPE_CHECKING:
+    from meshsim._observe.topology import Topology
     from meshsim._sim.rendezvous import Call, GroupState, Slot
 
 __all__ = ["Tracer", "checked_path", "file_name"]
 
-_PID = 1  # one process: the world
+_PID = 1  # the world, on the simulation's clock
+_GPU_PID = 2  # the same ranks on the estimated GPU clock
 
 
 class Tracer(Instrument):
     """The events of one world's call, appended by its rank threads as they go; written at its end."""
 
-    def __init__(self, path: Path, world_size: int, name: str) -> None:
+    def __init__(self, path: Path, world_size: int, name: str, *, topology: Topology | None = None) -> None:
         self.path = path
+        self.topology = topology
+        self._priced: list[list[Collective]] = [[] for _ in range(world_size)]  # each rank's, in order
         self._start = time.perf_counter_ns()
         self._began = [0.0] * world_size  # when each rank started the call
         self._flows = itertools.count(1)
@@ -119,6 +132,8 @@ class Tracer(Instrument):
             args["error"] = "stopped: the world failed (see its error event)"
         elif error is not None:
             args["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+        if slot is not None and self.topology is not None:
+            self._priced[rank].append(_entry(group, call, slot.seq))
         if slot is not None:
             last = slot.last
             assert last is not None  # the slot completed
@@ -160,11 +175,14 @@ class Tracer(Instrument):
 
     def ended(self) -> None:
         """Write the trace; a file that cannot be written is a warning, not the world's failure."""
-        document = {
-            "displayTimeUnit": "ms",
-            "otherData": {"meshsim": "simulated ranks; times are the simulation's wall clock (us)"},
-            "traceEvents": self.events,
-        }
+        about = {"meshsim": "simulated ranks; times are the simulation's wall clock (us)"}
+        if self.topology is not None:
+            self.events += gpu_clock_events(self._priced, self.topology)
+            about["estimated GPU clock"] = (
+                f"process {_GPU_PID}: the collectives on {self.topology.name} as meshsim's cost model "
+                "lays them out (critical path), compute left out: a gap is a wait for a slower rank"
+            )
+        document = {"displayTimeUnit": "ms", "otherData": about, "traceEvents": self.events}
         try:
             self.path.write_text(json.dumps(document, default=str))
         except OSError as exc:
@@ -173,8 +191,76 @@ class Tracer(Instrument):
             )
 
 
-def _meta(name: str, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    event: dict[str, Any] = {"name": name, "ph": "M", "pid": _PID, "args": args}
+def _entry(group: GroupState, call: Call, seq: int) -> Collective:
+    """The rank's side of a completed call as a ledger records it (numbered in its group's order)."""
+    payload = call.payload
+    dtype, bytes_in, bytes_out = payload.traffic(call.group_rank)
+    peer = group.ranks[payload.root] if payload.root is not None else None
+    return Collective(
+        payload.op,
+        payload.api,
+        group.ranks,
+        dtype,
+        bytes_in,
+        bytes_out,
+        payload.reduce_op,
+        seq,
+        call.site,
+        peer,
+    )
+
+
+def gpu_clock_events(calls: list[list[Collective]], topology: Topology) -> list[dict[str, Any]]:
+    """The second process: every rank's ``calls`` on the estimated GPU clock of ``topology``.
+
+    Ledgers that do not line up (a world that failed mid-call) get one event that says so.
+    """
+    from meshsim._observe.cost import critical_path, format_seconds
+
+    events = [_meta("process_name", None, {"name": f"estimated GPU clock, {topology.name}"}, _GPU_PID)]
+    events.append(_meta("process_sort_index", None, {"sort_index": _GPU_PID}, _GPU_PID))
+    for rank in range(len(calls)):
+        events.append(_meta("thread_name", rank, {"name": f"rank {rank}"}, _GPU_PID))
+        events.append(_meta("thread_sort_index", rank, {"sort_index": rank}, _GPU_PID))
+    try:
+        schedule = critical_path(calls, topology)
+    except ValueError as error:
+        why = {"error": str(error)}
+        instant = {"name": "not priced", "cat": "error", "ph": "i", "ts": 0, "pid": _GPU_PID, "s": "p"}
+        return [*events, {**instant, "args": why}]
+    for rank in schedule.ranks:
+        free = 0.0  # when the rank's previous call ended
+        for span in schedule.of(rank):
+            call = span.call
+            args: dict[str, Any] = {
+                "op": call.op,
+                "api": call.api,
+                "group": list(call.group),
+                "bytes in": call.bytes_in,
+                "bytes out": call.bytes_out,
+                "site": call.site,
+                "estimate": str(span.estimate),
+            }
+            if span.start > free:
+                args["waited for a slower rank"] = format_seconds(span.start - free)
+            events.append(
+                {
+                    "name": call.api,
+                    "cat": "estimate",
+                    "ph": "X",
+                    "ts": span.start * 1e6,
+                    "dur": (span.end - span.start) * 1e6,
+                    "pid": _GPU_PID,
+                    "tid": rank,
+                    "args": args,
+                }
+            )
+            free = span.end
+    return events
+
+
+def _meta(name: str, tid: int | None, args: dict[str, Any], pid: int = _PID) -> dict[str, Any]:
+    event: dict[str, Any] = {"name": name, "ph": "M", "pid": pid, "args": args}
     if tid is not None:
         event["tid"] = tid
     return event

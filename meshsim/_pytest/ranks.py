@@ -13,13 +13,13 @@ mismatch, is the test's report.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
 
 from meshsim._engine.outcomes import decided
-from meshsim._pytest import snapshots
+from meshsim._pytest import cost, snapshots
 from meshsim._pytest.options import WorldSpec, size_of, spec_of
 from meshsim._pytest.state import PluginState, state_of
 
@@ -110,15 +110,40 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     names = inspect.signature(test).parameters
     funcargs = {name: pyfuncitem.funcargs[name] for name in names if name in pyfuncitem.funcargs}
     if state.static is not None:
-        # every process gets every rank's ledger; rank 0 alone writes the file
-        check = snapshots.check_for(pyfuncitem, write=state.static.rank == 0)
+        # every process gets every rank's ledger; rank 0 alone writes the snapshot file
+        check = _ledger_checks(pyfuncitem, write=state.static.rank == 0)
         state.static.run(test, funcargs, check=check)
         return True
-    check = snapshots.check_for(pyfuncitem, write=True)
+    check = _ledger_checks(pyfuncitem, write=True)
     ledgers = _run_ranks(pyfuncitem, state, spec, test, funcargs, record=check is not None)
     if check is not None:
         check([ledger for ledger in ledgers if ledger is not None])
     return True
+
+
+def _ledger_checks(item: pytest.Function, *, write: bool) -> Callable[[list[Any]], None] | None:
+    """What every rank's ledger of a passed body goes to: the snapshot check, then the cost estimate.
+
+    Each one runs whatever the one before raised (a changed snapshot is still priced);
+    the first failure is the test's, with the others' messages as its notes.
+    """
+    checks = [c for c in (snapshots.check_for(item, write=write), cost.check_for(item)) if c is not None]
+    if not checks:
+        return None
+
+    def check(ledgers: list[Any]) -> None:
+        failures: list[BaseException] = []
+        for each in checks:
+            try:
+                each(ledgers)
+            except Exception as error:  # the first is raised below, the rest noted on it
+                failures.append(error)
+        if failures:
+            for later in failures[1:]:
+                failures[0].add_note(str(later))
+            raise failures[0]
+
+    return check
 
 
 def _run_ranks(

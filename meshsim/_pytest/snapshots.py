@@ -3,6 +3,8 @@
 The check itself is :func:`meshsim._observe.snapshot.check_snapshot`; the file is
 ``__snapshots__/<module>.ledger.json`` beside the test module, keyed by the test id
 without its file. ``--mesh-snapshot-update`` rewrites entries instead of comparing.
+Under ``--mesh-cost`` an entry also carries (and is checked against) the test's
+estimated communication time on that topology.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from meshsim._pytest.state import state_of
 
 __all__ = ["check_for"]
 
@@ -28,10 +32,13 @@ def check_for(item: pytest.Function, *, write: bool) -> Callable[[list[Any]], No
     path = _snapshot_file(item.path)
     key = item.nodeid.split("::", 1)[-1]  # the test id without its file: moving the file keeps it
     update = bool(item.config.getoption("mesh_snapshot_update"))
+    topology = state_of(item.config).topology  # --mesh-cost: the entry carries the estimate
 
     def check(ledgers: list[Any]) -> None:
         try:
-            item.stash[_SNAPSHOT] = check_snapshot(path, key, ledgers, update=update, write=write)
+            item.stash[_SNAPSHOT] = check_snapshot(
+                path, key, ledgers, update=update, write=write, topology=topology
+            )
         except SnapshotMismatchError as error:
             error.add_note(
                 "If the change is intended, rerun with --mesh-snapshot-update to rewrite the snapshot, "

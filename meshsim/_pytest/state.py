@@ -10,6 +10,7 @@ import pytest
 
 if TYPE_CHECKING:
     from meshsim._modes.torchrun import StaticSession
+    from meshsim._observe.topology import Topology
     from meshsim._pytest.simjob import SimulatedJob
 
 __all__ = ["PluginState", "state_of"]
@@ -26,6 +27,7 @@ class PluginState:
         static: under torchrun, this process's rank of the job.
         job: ``--multigpu-static`` without torchrun: the session's simulated job.
         item: the distributed test being set up or run.
+        topology: ``--mesh-cost``: the GPU topology tests, snapshots and traces are priced on.
         watches: the watches the plugin keeps open for the whole run (closed at its end).
     """
 
@@ -37,6 +39,7 @@ class PluginState:
     static: StaticSession | None = None
     job: SimulatedJob | None = None
     item: pytest.Item | None = None
+    topology: Topology | None = None
     watches: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 

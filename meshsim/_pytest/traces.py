@@ -3,6 +3,8 @@
 While a test runs, a :class:`meshsim._observe.watch.Watch` gives every call a
 simulated world runs a tracer writing ``DIR/<test id>.json`` (then ``-2``, ``-3``...
 for further worlds of the test). The session's end counts the files written.
+With ``--mesh-cost`` each file also has the world on the estimated GPU clock of
+that topology (a second process; see :mod:`meshsim._observe.trace`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from meshsim._pytest.options import static_environment_or_none
+from meshsim._pytest.state import state_of
 
 __all__: list[str] = []
 
@@ -57,10 +60,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 
     stem = file_name(item.nodeid)
     worlds = itertools.count(1)
+    topology = state_of(item.config).topology  # --mesh-cost: a second process on the GPU clock
 
     def tracer(name: str, world_size: int) -> Tracer:
         n = next(worlds)
-        return Tracer(folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json"), world_size, name)
+        path = folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+        return Tracer(path, world_size, name, topology=topology)
 
     with watching(Watch(tracer=tracer)):
         return (yield)

@@ -189,8 +189,12 @@ def test_concurrent_writers_of_one_file_lose_no_entry(tmp_path: Path) -> None:
             '{"version": 1, "tests": {"k": ["a"]}}',
             r"x.ledger.json is not a ledger snapshot file of version 1",
         ),
+        (
+            '{"version": 1, "tests": {"k": {"estimate of 1 on pcie": "fast"}}}',
+            r"x.ledger.json is not a ledger snapshot file of version 1",
+        ),
     ],
-    ids=["merge-conflict", "other-version", "wrong-shape"],
+    ids=["merge-conflict", "other-version", "wrong-shape", "bad-estimate"],
 )
 def test_a_file_that_is_not_a_snapshot_is_an_error_naming_it(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "x.ledger.json"
@@ -203,3 +207,57 @@ def test_a_file_that_is_not_a_snapshot_is_an_error_naming_it(tmp_path: Path, tex
 def test_no_ledgers_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"check_snapshot\('k'\) needs one ledger per rank, got none"):
         meshsim.check_snapshot(tmp_path / "x.ledger.json", "k", [])
+
+
+# -- the estimate an entry carries with a topology ------------------------------------------
+
+
+def _estimate(ledgers: list[Ledger], topology: str) -> str:
+    from meshsim._observe.cost import critical_path, format_seconds
+
+    return format_seconds(critical_path(ledgers, topology).total)
+
+
+def test_an_entry_carries_the_estimate_beside_its_world_size_s_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "x.ledger.json"
+    two = [_ledger(_all_reduce(4))] * 2
+    moved = [_ledger(_all_reduce(4, site="b.py:9 in g"))] * 2  # the same calls from another line
+    assert meshsim.check_snapshot(path, "k", two, topology="dgx-h100") == "created"
+    assert meshsim.check_snapshot(path, "k", [_ledger()], topology="pcie") == "created"
+    entry = json.loads(path.read_text())["tests"]["k"]
+    assert list(entry) == ["rank 0 of 1", "estimate of 1 on pcie", "rank 0 of 2", "rank 1 of 2",
+                           "estimate of 2 on dgx-h100"]  # fmt: skip
+    assert entry["estimate of 2 on dgx-h100"] == _estimate(two, "dgx-h100")
+    assert entry["estimate of 1 on pcie"] == "0.0 us"  # no calls, nothing to wait for
+    assert meshsim.check_snapshot(path, "k", moved, topology="dgx-h100") == "matched"
+    assert meshsim.check_snapshot(path, "k", moved) == "matched"  # no topology: nothing to check
+
+
+def test_rewritten_lines_drop_the_estimates_that_priced_the_old_ones(tmp_path: Path) -> None:
+    path = tmp_path / "x.ledger.json"
+    small, big = [_ledger(_all_reduce(4))] * 2, [_ledger(_all_reduce(1 << 20))] * 2
+    meshsim.check_snapshot(path, "k", small, topology="dgx-h100")
+    meshsim.check_snapshot(path, "k", small, topology="pcie", update=True)  # adds pcie's, keeps h100's
+    assert {"estimate of 2 on dgx-h100", "estimate of 2 on pcie"} <= set(
+        json.loads(path.read_text())["tests"]["k"]
+    )
+    with pytest.raises(meshsim.SnapshotMismatchError, match=r"estimate of 2 on pcie: stored .* this run"):
+        meshsim.check_snapshot(path, "k", big, topology="pcie")
+    assert meshsim.check_snapshot(path, "k", big, update=True) == "updated"
+    entry = json.loads(path.read_text())["tests"]["k"]
+    assert [name for name in entry if name.startswith("estimate")] == []
+    assert meshsim.check_snapshot(path, "k", big, topology="pcie", update=True) == "updated"
+    assert json.loads(path.read_text())["tests"]["k"]["estimate of 2 on pcie"] == _estimate(big, "pcie")
+
+
+def test_only_the_estimate_moving_is_a_mismatch_with_no_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "x.ledger.json"
+    ledgers = [_ledger(_all_reduce(1 << 20))] * 2
+    meshsim.check_snapshot(path, "k", ledgers, topology="dgx-a100")
+    document = json.loads(path.read_text())
+    document["tests"]["k"]["estimate of 2 on dgx-a100"] = "1.000 s"
+    path.write_text(json.dumps(document))
+    with pytest.raises(meshsim.SnapshotMismatchError, match=r"the collectives are the same") as caught:
+        meshsim.check_snapshot(path, "k", ledgers, topology="dgx-a100")
+    assert caught.value.ranks == ()
+    assert "stored 1.000 s, this run " in str(caught.value)

@@ -213,3 +213,37 @@ def test_findings_appear_in_a_trace_without_a_ledger(tmp_path: Path) -> None:
         == second["args"]["redundant"]
         == "every rank already held the root's 12 bytes"
     )
+
+
+def _all_reduce(group: tuple[int, ...], nbytes: int, seq: int = 0) -> meshsim.Collective:
+    return meshsim.Collective(
+        "all_reduce", "all_reduce", group, torch.float32, nbytes, nbytes, "SUM", seq, "a.py:1"
+    )
+
+
+def test_the_gpu_clock_lays_the_calls_out_by_the_critical_path() -> None:
+    from meshsim._observe.cost import critical_path
+    from meshsim._observe.trace import gpu_clock_events
+
+    pair, world = _all_reduce((0, 1), 1 << 20), _all_reduce((0, 1, 2), 64)
+    calls = [[pair, world], [pair, world], [world]]
+    events = gpu_clock_events(calls, meshsim.topology("pcie"))
+    for event in events:
+        assert REQUIRED[event["ph"]] <= event.keys() and event["pid"] == 2, event
+    schedule = critical_path(calls, "pcie")
+    drawn = [e for e in events if e["ph"] == "X"]
+    spans = [s for r in range(3) for s in schedule.of(r)]
+    assert [e["tid"] for e in drawn] == [s.rank for s in spans]
+    assert [e["ts"] for e in drawn] == pytest.approx([s.start * 1e6 for s in spans])
+    assert [e["dur"] for e in drawn] == pytest.approx([(s.end - s.start) * 1e6 for s in spans])
+    (waited,) = [e["args"] for e in events if e["ph"] == "X" and "waited for a slower rank" in e["args"]]
+    assert waited["op"] == "all_reduce" and waited["group"] == [0, 1, 2]  # rank 2 waits for the pair
+
+
+def test_ledgers_that_do_not_line_up_are_an_event_not_a_failure() -> None:
+    from meshsim._observe.trace import gpu_clock_events
+
+    events = gpu_clock_events([[_all_reduce((0, 1), 8)], []], meshsim.topology("pcie"))
+    (note,) = [e for e in events if e["ph"] == "i"]
+    assert REQUIRED["i"] <= note.keys()
+    assert note["name"] == "not priced" and "the ledgers do not line up" in note["args"]["error"]

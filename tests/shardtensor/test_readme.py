@@ -41,3 +41,18 @@ def test_the_operators_example(distributed_mesh, rank) -> None:
     assert ledger.counts() == {"all_reduce": 1}
     rows = torch.cat([torch.full((r + 1, 3), float(r)) for r in range(4)])
     torch.testing.assert_close(value, (torch.relu(rows @ w) * 2 + bias).mean())
+
+
+GLOBAL = (1, 16, 512, 256)  # 4 ranks, each a (1, 4, 512, 256) bfloat16 shard
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("mode", ["infer", "chunk"])
+@pytest.mark.mesh_cost_budget("30us")
+def test_round_trip(distributed_mesh, mode):
+    shape = GLOBAL if mode == "chunk" else None  # "infer" all_gathers every rank's shape
+    x = torch.randn(1, 4, 512, 256, dtype=torch.bfloat16)
+    st = ShardTensor.from_local(x, distributed_mesh, [Shard(1)], mode, shape)
+    y = st.redistribute(placements=[Shard(2)]).to_local()
+    z = ShardTensor.from_local(y, distributed_mesh, [Shard(2)], mode, shape)
+    z.redistribute(placements=[Shard(1)])
