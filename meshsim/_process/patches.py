@@ -319,7 +319,7 @@ def _adopt(arguments: dict[str, Any]) -> bool:
 
 
 def _check_nccl(backend: Any, rank: int) -> None:
-    """NCCL needs CUDA: without a GPU or the emulation, fail as a CPU-only process would, saying what to do."""
+    """NCCL needs CUDA: without a GPU or the emulation, fail as a CPU-only process would, and say why."""
     if backend is None or "nccl" not in str(backend).lower() or torch.cuda.is_available():
         return
     raise RuntimeError(

@@ -33,7 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> None:
     # Before any conftest is imported: a conftest decides at import what runs on CUDA
     # (PhysicsNeMo's parametrizes its ``device`` fixture on torch.cuda.is_available()).
     _install(early_config, getattr(early_config.known_args_namespace, "mesh_cuda", None))

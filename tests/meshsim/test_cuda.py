@@ -61,7 +61,11 @@ def test_cuda_tensors_report_their_device_and_move_as_on_a_gpu():
             [str(t.device) for t in made],
             all(t.is_cuda and t.get_device() == rank for t in made),
             (host.tolist(), str(back.device), back.is_cuda, back.tolist()),
-            (torch.ones(2).pin_memory().is_pinned(), torch.ones(2).is_pinned(), torch.ones(2, pin_memory=True).is_pinned()),
+            (
+                torch.ones(2).pin_memory().is_pinned(),
+                torch.ones(2).is_pinned(),
+                torch.ones(2, pin_memory=True).is_pinned(),
+            ),
             str((made[0] * 2 + made[1]).sum().device),
             on_gpu.to("cuda") is on_gpu,  # already there: itself, as torch does
         )
@@ -109,14 +113,21 @@ def test_the_cuda_rng_is_per_rank_and_per_device_and_apart_from_the_cpu_rng():
         torch.randn(5, device="cuda")  # draws from the CUDA generator, not the CPU's
         cpu_after = torch.randn(2)
         user = torch.Generator(device="cuda").manual_seed(5)
-        own = (str(user.device), isinstance(torch.default_generator, torch.Generator), isinstance(user, torch.Generator))
+        generator_type = torch.Generator
+        own = (
+            str(user.device),
+            isinstance(torch.default_generator, generator_type),
+            isinstance(user, generator_type),
+        )
         drawn = torch.randn(3, device="cuda", generator=user)
         user.manual_seed(5)
-        assert torch.equal(drawn, torch.randn(3, device="cuda", generator=user)) and own == ("cuda:0", True, True)
+        assert torch.equal(drawn, torch.randn(3, device="cuda", generator=user))
+        assert own == ("cuda:0", True, True)
         with torch.random.fork_rng(devices=[0]):
             torch.randn(4, device="cuda")
         forked_back = torch.cuda.get_rng_state(0)
-        return first, second, again, torch.equal(cpu_before, cpu_after), state.dtype, state.numel(), forked_back
+        cpu_kept = torch.equal(cpu_before, cpu_after)
+        return first, second, again, cpu_kept, state.dtype, state.numel(), forked_back
 
     (f0, s0, a0, cpu0, dtype, numel, _), (f1, _, _, cpu1, _, _, _) = _run(body)
     assert torch.equal(s0, a0) and not torch.equal(f0, s0)
@@ -144,7 +155,9 @@ def test_streams_events_synchronize_and_memory_statistics():
         grown = torch.cuda.memory_allocated() - before
         peak = torch.cuda.max_memory_allocated()
         del x
-        return inside, torch.cuda.current_stream() is not stream, start.elapsed_time(end) >= 0, grown, peak, torch.cuda.memory_allocated() - before
+        left = torch.cuda.memory_allocated() - before
+        restored = torch.cuda.current_stream() is not stream
+        return inside, restored, start.elapsed_time(end) >= 0, grown, peak, left
 
     assert _run(body) == [(True, True, True, 4096, 4096, 0), (True, True, True, 8192, 8192, 0)]
 
@@ -366,7 +379,7 @@ def _spawned_rank(rank, world_size, port):
 
 
 def test_processes_the_code_spawns_emulate_too():
-    """torch.multiprocessing.spawn's children (PhysicsNeMo's dynamic tests): NCCL groups are gloo groups there."""
+    """torch.multiprocessing.spawn's children (PhysicsNeMo's dynamic tests) emulate; NCCL groups are gloo."""
     import socket
 
     import torch.multiprocessing as mp

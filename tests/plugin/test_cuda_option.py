@@ -40,7 +40,9 @@ def test_gpu_tests_run_with_the_emulation_and_skip_without(pytester: pytest.Pyte
     pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mesh-cuda=cpu").assert_outcomes(passed=2)
 
 
-def test_the_environment_variable_turns_it_on(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_variable_turns_it_on(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile(test_program=PROGRAM)
     monkeypatch.setenv("MESHSIM_CUDA", "cpu")
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)

@@ -1,0 +1,181 @@
+"""The emulation installed process-wide (and undone), in the threads that emulate, in child processes."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshsim._process.cuda import api, tensors
+from meshsim._process.cuda.spec import ACTIVE, Spec, parse
+
+__all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release"]
+
+# -- install and undo -----------------------------------------------------------------------
+
+
+
+
+def active() -> Spec | None:
+    """The emulation installed now, or None."""
+    return ACTIVE.spec
+
+
+def acquire(spec: Spec) -> None:
+    """Install the emulation (the first user), or check that ``spec`` is the one installed.
+
+    Raises:
+        ValueError: another emulation is installed (worlds overlapping with different ones).
+    """
+    with ACTIVE.lock:
+        if ACTIVE.users:
+            assert ACTIVE.spec is not None
+            if ACTIVE.spec.storage != spec.storage:
+                raise ValueError(
+                    f"CUDA is emulated as {ACTIVE.spec} already; a world cannot emulate {spec} "
+                    "at the same time"
+                )
+            ACTIVE.users += 1
+            return
+        _install(spec)
+        ACTIVE.users = 1
+
+
+def release() -> None:
+    """Undo one :func:`acquire`; the last one out puts torch back as it was."""
+    with ACTIVE.lock:
+        ACTIVE.users -= 1
+        if ACTIVE.users == 0:
+            while ACTIVE.undo:
+                ACTIVE.undo.pop()()
+            ACTIVE.spec = None
+
+
+def _install(spec: Spec) -> None:
+    undo = ACTIVE.undo
+    try:
+        if spec.storage.type == "cuda":
+            ACTIVE.real_generators = tuple(torch.cuda.default_generators)
+        ACTIVE.spec = spec
+        for name, value in api.stand_ins(spec).items():
+            undo.append(_set_attr(torch.cuda, name, value))
+        for owner, name, value in tensors.patches():
+            undo.append(_set_attr(owner, name, value))
+        undo.append(_children_emulate(spec))
+    except BaseException:
+        while undo:
+            undo.pop()()
+        ACTIVE.spec = None
+        raise
+
+
+_MISSING: Any = object()
+
+
+def _set_attr(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    before = owner.__dict__.get(name, _MISSING)  # a class's own attribute, not an inherited one
+    setattr(owner, name, value)
+
+    def undo() -> None:
+        if before is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, before)
+
+    return undo
+
+
+
+# -- processes user code starts -------------------------------------------------------------------
+
+
+def _children_emulate(spec: Spec) -> Callable[[], None]:
+    """Processes started with multiprocessing's ``spawn`` (``torch.multiprocessing.spawn``) emulate too.
+
+    Such a child is a new interpreter that runs ``-c "...spawn_main(...)"``: the program
+    gets :func:`emulate_in_process` in front of it. Checked with Python 3.10-3.13's
+    ``multiprocessing.spawn.get_command_line``.
+    """
+    import multiprocessing.spawn as mp_spawn
+
+    original = mp_spawn.get_command_line
+    storage = "cpu" if spec.storage.type == "cpu" else str(spec.storage)
+
+    def get_command_line(**kwds: Any) -> list[str]:
+        line = list(original(**kwds))
+        if "-c" in line:
+            at = line.index("-c") + 1
+            line[at] = (
+                f"import meshsim._process.cuda as _c; _c.emulate_in_process({storage!r}, {spec.devices}); "
+                + line[at]
+            )
+        return line
+
+    return _set_attr(mp_spawn, "get_command_line", get_command_line)
+
+
+def emulate_in_process(storage: str, devices: int) -> None:
+    """Emulate CUDA in this whole process (a child user code started): NCCL groups are gloo groups.
+
+    The process is a real rank of a real job: its ``init_process_group("nccl", device_id=...)``
+    and ``new_group(backend="nccl")`` make gloo groups, whose CPU tensors are what the
+    emulated CUDA tensors hold. Not undone: the process is the child's alone.
+    """
+    spec = parse(storage, devices=devices)
+    if spec is None:
+        return
+    acquire(spec)
+    enter_rank()
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in ("init_process_group", "new_group"):
+        gloo = _nccl_as_gloo(getattr(c10d, name))
+        setattr(c10d, name, gloo)
+        setattr(dist, name, gloo)
+
+
+def _nccl_as_gloo(original: Callable[..., Any]) -> Callable[..., Any]:
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs)
+        backend = bound.arguments.get("backend")
+        if backend is not None and "nccl" in str(backend).lower():
+            bound.arguments["backend"] = "gloo"
+            bound.arguments.pop("device_id", None)
+        return original(*bound.args, **bound.kwargs)
+
+    return call
+
+
+
+# -- per thread ---------------------------------------------------------------------------------
+
+_modes = threading.local()
+
+
+def enter_rank() -> None:
+    """Emulate CUDA in the calling thread (a rank, or a pytest process that emulates): push the mode."""
+    spec = ACTIVE.spec
+    if spec is None:
+        return
+    mode = tensors.CudaMode(spec)
+    mode.__enter__()
+    stack = getattr(_modes, "stack", None)
+    if stack is None:
+        stack = _modes.stack = []
+    stack.append(mode)
+
+
+def leave_rank() -> None:
+    """Undo :func:`enter_rank` in the calling thread."""
+    stack = getattr(_modes, "stack", None)
+    if stack:
+        stack.pop().__exit__(None, None, None)

@@ -1,0 +1,150 @@
+"""Each rank's GPUs: the current device, each device's CUDA generator and memory counters.
+
+One entry of the hand-over registry (:mod:`meshsim._process.handover`): every rank of a
+serialized world has its own, as every process has; :func:`now` is the calling rank's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshsim._process.cuda.spec import ACTIVE, CPU
+from meshsim._process.handover import declare_accessor
+
+__all__ = ["Generator", "Rank", "check_ordinal", "device_count", "index_of", "now"]
+
+DEFAULT_SEED = 67280421310721  # what a new process's generators start from (torch's default seed)
+
+
+
+class Generator:
+    """One emulated device's CUDA generator: a seed and an offset, as CUDA's Philox generator keeps them."""
+
+    __slots__ = ("device", "offset", "seed")
+
+    def __init__(self, device: torch.device, seed: int = DEFAULT_SEED) -> None:
+        self.device = device
+        self.seed = seed
+        self.offset = 0
+
+    def manual_seed(self, seed: int) -> Generator:
+        self.seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+        self.offset = 0
+        return self
+
+    def seed_(self) -> int:
+        self.manual_seed(int.from_bytes(torch.randint(0, 2**62, (1,)).numpy().tobytes(), "little"))
+        return self.seed
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_state(self) -> torch.Tensor:
+        # CUDA's layout: the seed, then the offset, 8 bytes each (DTensor's RNG tracker reads both)
+        return torch.tensor([_signed(self.seed), self.offset], dtype=torch.int64).view(torch.uint8)
+
+    def set_state(self, state: torch.Tensor) -> Generator:
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
+            raise ValueError(
+                f"a CUDA RNG state is a uint8 tensor of 16 bytes (seed, offset), got {_describe(state)}"
+            )
+        seed, offset = state.detach().to(CPU, copy=True).view(torch.int64).tolist()
+        self.seed, self.offset = seed & 0xFFFF_FFFF_FFFF_FFFF, offset
+        return self
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = int(offset)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of {value.numel()} elements"
+    return repr(value)
+
+
+@dataclass
+class Rank:
+    """A rank's (or the caller's) GPUs: the current device, generators and memory counters per device."""
+
+    current: int = 0
+    generators: dict[int, Generator] = field(default_factory=dict)
+    allocated: dict[int, int] = field(default_factory=dict)
+    peak: dict[int, int] = field(default_factory=dict)
+    streams: dict[int, Any] = field(default_factory=dict)  # the current stream per device
+
+    def generator(self, index: int) -> Generator:
+        gen = self.generators.get(index)
+        if gen is None:
+            gen = self.generators[index] = Generator(torch.device("cuda", index))
+        return gen
+
+
+_state = Rank()
+
+
+def _get_state() -> Rank:
+    return _state
+
+
+def _set_state(value: Rank) -> None:
+    global _state
+    _state = value
+
+
+declare_accessor(
+    "the emulated CUDA device, RNGs and memory counters",
+    get=_get_state,
+    set=_set_state,
+    start=lambda caller, rank: Rank(),  # as a new process: device 0, default seeds, nothing allocated
+    moved=lambda before, now: now is not before,
+)
+
+
+
+def now() -> Rank:
+    """The calling rank's GPUs (the caller's outside worlds)."""
+    return _state
+
+
+def index_of(device: Any = None) -> int:
+    if device is None:
+        return now().current
+    if isinstance(device, int):
+        return now().current if device < 0 else device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"expected a CUDA device, got {device!r}")
+        return now().current if device.index is None else device.index
+    index = getattr(device, "idx", getattr(device, "device_index", None))
+    if isinstance(index, int):
+        return index
+    raise ValueError(f"expected a CUDA device (an int, 'cuda:N' or torch.device), got {device!r}")
+
+
+def check_ordinal(index: int) -> int:
+    count = device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal {index}: meshsim emulates {count} GPUs per rank "
+            "(MESHSIM_CUDA_DEVICES or the number of ranks per node sets how many)"
+        )
+    return index
+
+
+def device_count() -> int:
+    spec = ACTIVE.spec
+    return spec.devices if spec is not None else 0
+
+

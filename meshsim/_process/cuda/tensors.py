@@ -1,0 +1,531 @@
+"""Which tensors are CUDA tensors: the tags, the dispatch mode that carries them, torch.Tensor's face."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._guards
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshsim._process.cuda.rank import Rank, check_ordinal, now
+from meshsim._process.cuda.spec import ACTIVE, CPU, REAL_CUDA, Spec
+
+__all__ = ["CudaMode", "device_of", "patches"]
+
+_TAG = "_meshsim_cuda"  # the attribute a CUDA tensor carries: its torch.device("cuda", k)
+_PINNED = "_meshsim_pinned"
+
+# -- tags: which tensors are CUDA tensors -------------------------------------------------
+
+_REAL_DEVICE = torch._C.TensorBase.device
+_REAL_TO = torch._C.TensorBase.to
+_REAL_CPU = torch._C.TensorBase.cpu
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+_tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a frame
+
+
+def device_of(tensor: torch.Tensor) -> torch.device:
+    """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
+    tag = getattr(tensor, _TAG, None)
+    if tag is not None and not getattr(_kernel, "depth", 0):
+        # While torch.compile compiles (a frame's tracing context or a fake mode on), the
+        # compiler sees the storage it compiles for.
+        if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
+            return tag
+        return _REAL_DEVICE.__get__(tensor)
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is not None and type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        names, _ = flatten(tensor)
+        if names:
+            inner = getattr(tensor, names[0], None)
+            if isinstance(inner, torch.Tensor):
+                return device_of(inner)
+    return _REAL_DEVICE.__get__(tensor)
+
+
+def _tag(value: Any, device: torch.device) -> None:
+    """Tag every tensor in ``value`` (and a wrapper subclass's inner tensors) as living on ``device``."""
+    if isinstance(value, torch.Tensor):
+        try:
+            setattr(value, _TAG, device)
+        except (AttributeError, TypeError):
+            return
+        flatten = getattr(type(value), "__tensor_flatten__", None)
+        if flatten is not None and type(value).__torch_dispatch__ is not _PLAIN_DISPATCH:
+            for name in flatten(value)[0]:
+                _tag(getattr(value, name, None), device)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tag(item, device)
+
+
+def _untag(value: Any) -> None:
+    if isinstance(value, torch.Tensor) and getattr(value, _TAG, None) is not None:
+        setattr(value, _TAG, None)
+
+
+def _cuda_device(device: Any) -> torch.device | None:
+    """``device`` as a full ``cuda:k`` when it names CUDA (a bare ``cuda``: the current device), else None."""
+    if device is None:
+        return None
+    if isinstance(device, int):  # a bare ordinal, as Tensor.cuda(1) and device_id=1 give
+        return torch.device("cuda", device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        return torch.device("cuda", now().current)
+    check_ordinal(device.index)
+    return device
+
+
+
+# -- the dispatch mode: factories, tags, seeded ops, memory -------------------------------
+
+# op -> (allocates new storage, draws random numbers, has a CUDA kernel and no CPU one)
+_op_facts: dict[Any, tuple[bool, bool, bool]] = {}
+_CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+_kernel = threading.local()  # depth: how many ops this thread's mode is running now
+
+
+def _facts(func: Any) -> tuple[bool, bool, bool]:
+    facts = _op_facts.get(func)
+    if facts is None:
+        schema = func._schema
+        allocates = not any(r.alias_info is not None for r in schema.returns) and bool(schema.returns)
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        name = func.name()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        cuda_only = (
+            func.namespace not in ("aten", "prims")
+            and has(name, "CUDA")
+            and not has(name, "CPU")
+            and not has(name, "CompositeExplicitAutograd")
+            and not has(name, "CompositeImplicitAutograd")
+        )
+        facts = _op_facts[func] = (allocates, seeded, cuda_only)
+    return facts
+
+
+def _first_tag(args: Any) -> torch.device | None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            tag = getattr(arg, _TAG, None)
+            if tag is not None:
+                return tag
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor):
+                    tag = getattr(item, _TAG, None)
+                    if tag is not None:
+                        return tag
+    return None
+
+
+class CudaMode(TorchDispatchMode):
+    """Every aten op of a thread that emulates CUDA: see the module docstring."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo skips frames while a dispatch mode is on unless the mode says this:
+        # torch.compile then compiles with the mode off and runs its code under it.
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for kind in types:
+            if kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
+                if issubclass(kind, _FakeTensor):
+                    # shape propagation (DTensor's, torch.compile's): fake tensors answer in
+                    # their own mode, on whatever device they claim
+                    return func(*args, **(kwargs or {}))
+                # A subclass (DTensor, ShardTensor) handles the op; this mode stays on for
+                # the ops its handler runs on the inner tensors, which carry the tags.
+                return NotImplemented
+        kwargs = kwargs or {}
+        if func is _RECORD_STREAM:
+            return None  # every kernel is done already: nothing to keep alive
+        if func is _IS_PINNED:
+            return bool(getattr(args[0], _PINNED, False)) or func(*args, **kwargs)
+        if func is _PIN_MEMORY:
+            out = args[0].clone()
+            setattr(out, _PINNED, True)
+            return out
+        target: torch.device | None
+        pinned = False
+        if "device" in kwargs or "pin_memory" in kwargs:
+            kwargs = dict(kwargs)
+            pinned = bool(kwargs.pop("pin_memory", None))
+            target = _cuda_device(kwargs.get("device"))
+            if target is not None:
+                kwargs["device"] = self.spec.storage
+            elif kwargs.get("device") is None:
+                target = _first_tag(args)
+        else:
+            target = _first_tag(args)
+        allocates, seeded, cuda_only = _facts(func)
+        # Python kernels the op runs (a torch.library custom op's) see the storage device,
+        # as kernels do: what they make is tagged on the way out.
+        _kernel.depth = depth = getattr(_kernel, "depth", 0) + 1
+        try:
+            if seeded and target is not None and kwargs.get("generator") is None:
+                out = _seeded(self.spec, func, args, kwargs, target)
+            elif cuda_only and target is not None:
+                out = func.redispatch(_CUDA_KEYS, *args, **kwargs)  # its CUDA kernel, on the storage
+            else:
+                out = func(*args, **kwargs)
+        finally:
+            _kernel.depth = depth - 1
+        if target is not None:
+            _tag(out, target)
+            if allocates:
+                _count(out, target)
+        elif pinned:
+            setattr(out, _PINNED, True)
+        return out
+
+
+_RECORD_STREAM = torch.ops.aten.record_stream.default
+_IS_PINNED = torch.ops.aten.is_pinned.default
+_PIN_MEMORY = torch.ops.aten._pin_memory.default
+
+
+def _seeded(spec: Spec, func: Any, args: Any, kwargs: Any, device: torch.device) -> Any:
+    """Run a random op on the rank's generator of ``device``: its seed and offset pick the numbers."""
+    gen = now().generator(device.index or 0)
+    if spec.storage.type == "cuda":
+        real = ACTIVE.real_generators[spec.storage.index or 0]
+        saved = real.get_state()
+        real.set_state(gen.get_state())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            gen.set_state(real.get_state())
+            real.set_state(saved)
+    cpu = torch.default_generator
+    saved = cpu.get_state()
+    # The CPU's generator draws the numbers, seeded from the device's seed and offset:
+    # the same seed and offset give the same numbers, any other pair others.
+    cpu.manual_seed(hash((gen.seed, gen.offset)) & 0x7FFF_FFFF_FFFF_FFFF)
+    try:
+        out = func(*args, **kwargs)
+    finally:
+        cpu.set_state(saved)
+    gen.offset += _philox_increment(out)
+    return out
+
+
+def _philox_increment(out: Any) -> int:
+    """How far a draw moves the offset: CUDA's kernels take 4 numbers per Philox call."""
+    numel = 0
+    for value in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(value, torch.Tensor):
+            numel += value.numel()
+    return max(4, (numel + 3) // 4 * 4)
+
+
+def _count(out: Any, device: torch.device) -> None:
+    """Count a new tensor's bytes against its device until the tensor is freed."""
+    if not isinstance(out, torch.Tensor):
+        if isinstance(out, (list, tuple)):
+            for item in out:
+                _count(item, device)
+        return
+    nbytes = out.untyped_storage().nbytes()
+    if nbytes == 0:
+        return
+    rank = now()
+    index = device.index or 0
+    held = rank.allocated.get(index, 0) + nbytes
+    rank.allocated[index] = held
+    if held > rank.peak.get(index, 0):
+        rank.peak[index] = held
+    weakref.finalize(out, _free, rank, index, nbytes)
+
+
+def _free(rank: Rank, index: int, nbytes: int) -> None:
+    rank.allocated[index] = rank.allocated.get(index, 0) - nbytes
+
+
+
+# -- torch.Tensor's Python face --------------------------------------------------------------
+
+
+def _device_property(self: torch.Tensor) -> torch.device:
+    return device_of(self)
+
+
+def _is_cuda_property(self: torch.Tensor) -> bool:
+    return device_of(self).type == "cuda"
+
+
+def _get_device(self: torch.Tensor) -> int:
+    device = device_of(self)
+    return -1 if device.type == "cpu" else (device.index or 0)
+
+
+def _parse_to(
+    self: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, bool, Any]:
+    if args and isinstance(args[0], torch.Tensor):  # t.to(other): other's device and dtype
+        other = args[0]
+        rest = dict(kwargs)
+        non_blocking = bool(args[1] if len(args) > 1 else rest.get("non_blocking", False))
+        return device_of(other), other.dtype, non_blocking, None
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser knows no copy=
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, non_blocking, memory_format
+
+
+def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    spec = ACTIVE.spec
+    assert spec is not None
+    device, dtype, _non_blocking, memory_format = _parse_to(self, args, kwargs)
+    copy = bool(kwargs.get("copy", False))
+    options: dict[str, Any] = {"copy": copy}
+    if dtype is not None:
+        options["dtype"] = dtype
+    if memory_format is not None:
+        options["memory_format"] = memory_format
+    if device is None:
+        return _REAL_TO(self, **options)
+    here = device_of(self)
+    target = _cuda_device(device)
+    if target is None:  # to the CPU (or another real device): a copy from a CUDA tensor
+        if here.type == "cuda" and spec.storage.type == "cpu":
+            out = _REAL_TO(self, device, **{**options, "copy": True})
+            _untag(out)
+            return out
+        return _REAL_TO(self, device, **options)
+    if here == target:
+        return _REAL_TO(self, **options)
+    out = _REAL_TO(self, spec.storage, **{**options, "copy": True})
+    _tag(out, target)
+    return out
+
+
+def _cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+    target = _cuda_device(torch.device("cuda") if device is None else device)
+    if target is None:
+        raise ValueError(f"Tensor.cuda() takes a CUDA device or its index, got {device!r}")
+    return _to(self, target, **kwargs)
+
+
+def _cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if device_of(self).type == "cuda" and ACTIVE.spec is not None and ACTIVE.spec.storage.type == "cpu":
+        out = _REAL_TO(self, CPU, copy=True)
+        _untag(out)
+        return out
+    return _REAL_CPU(self, *args, **kwargs)
+
+
+def _pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    out = self.clone()
+    setattr(out, _PINNED, True)
+    return out
+
+
+def _is_pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+    return bool(getattr(self, _PINNED, False))
+
+
+_REAL_DATA = torch._C.TensorBase.data
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    data = _REAL_DATA.__get__(self)
+    tag = getattr(self, _TAG, None)
+    if tag is not None:
+        setattr(data, _TAG, tag)
+    return data
+
+
+def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
+    # nn.Module.cuda() and .to() swap a parameter's data in place: it takes the data's device
+    _REAL_DATA.__set__(self, value)
+    tag = getattr(value, _TAG, None)
+    if tag is not None or getattr(self, _TAG, None) is not None:
+        setattr(self, _TAG, tag)
+
+
+_REAL_GRAD = torch._C.TensorBase.grad
+
+
+def _get_grad(self: torch.Tensor) -> torch.Tensor | None:
+    # A gradient lives where its tensor does; one a compiled backward made on the
+    # storage device without an op the mode sees takes its tensor's device here.
+    grad = _REAL_GRAD.__get__(self)
+    if grad is not None:
+        tag = getattr(self, _TAG, None)
+        if tag is not None and getattr(grad, _TAG, None) is None:
+            _tag_untagged(grad, tag)
+    return grad
+
+
+def _set_grad(self: torch.Tensor, value: torch.Tensor | None) -> None:
+    _REAL_GRAD.__set__(self, value)
+
+
+def _del_grad(self: torch.Tensor) -> None:
+    _REAL_GRAD.__delete__(self)
+
+
+def _autograd_grad_for(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        grads = original(outputs, inputs, *args, **kwargs)
+        tensors = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        for tensor, result in zip(tensors, grads):
+            tag = getattr(tensor, _TAG, None) if isinstance(tensor, torch.Tensor) else None
+            if tag is not None and result is not None:
+                _tag_untagged(result, tag)
+        return grads
+
+    return grad
+
+
+def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.tensor`` and its kin, whose ``device=`` torch checks before any op runs."""
+
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        target = _cuda_device(kwargs.get("device"))
+        # pinned host memory needs a real GPU's allocator: without one, the tensor says it is pinned
+        pinned = bool(kwargs.pop("pin_memory", False)) if REAL_CUDA["is_available"]() is False else False
+        if target is not None:
+            kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
+        out = original(*args, **kwargs)
+        if target is not None:
+            _tag(out, target)
+        elif pinned:
+            setattr(out, _PINNED, True)
+        return out
+
+    make.__name__ = getattr(original, "__name__", "make")
+    make.__doc__ = getattr(original, "__doc__", None)
+    return make
+
+
+def _compile_for(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile`` whose compiled callables give their outputs the device of their first CUDA input.
+
+    Compiled code allocates its outputs on the storage device without an op this
+    module sees (Inductor's kernels write them directly), so they carry no tag.
+    """
+
+    def compile(model: Any = None, **kwargs: Any) -> Any:
+        if model is None:
+            return lambda fn: compile(fn, **kwargs)
+        compiled = original(model, **kwargs)
+        if isinstance(compiled, torch.nn.Module):
+            compiled.register_forward_hook(_tag_like_inputs, with_kwargs=True)
+            return compiled
+
+        @functools.wraps(compiled)
+        def run(*args: Any, **kw: Any) -> Any:
+            out = compiled(*args, **kw)
+            tag = _first_tag((*args, *kw.values()))
+            if tag is not None:
+                _tag_untagged(out, tag)
+            return out
+
+        return run
+
+    compile.__doc__ = original.__doc__
+    return compile
+
+
+def _tag_like_inputs(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    tag = _first_tag((*args, *kwargs.values()))
+    if tag is not None:
+        _tag_untagged(output, tag)
+
+
+def _tag_untagged(value: Any, device: torch.device) -> None:
+    if isinstance(value, torch.Tensor):
+        if device_of(value).type != "cuda":
+            _tag(value, device)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tag_untagged(item, device)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tag_untagged(item, device)
+
+
+def _make_wrapper_subclass_for(original: Any) -> Callable[..., Any]:
+    def make_wrapper_subclass(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        target = _cuda_device(kwargs.get("device"))
+        if target is not None:
+            kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
+        out = original(cls, *args, **kwargs)
+        if target is not None:
+            setattr(out, _TAG, target)
+        return out
+
+    return make_wrapper_subclass
+
+
+_GeneratorBase = torch._C.Generator
+
+
+class _GeneratorKind(type(_GeneratorBase)):  # type: ignore[misc]
+    # isinstance(torch.default_generator, torch.Generator) stays true while torch.Generator is this
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _GeneratorBase)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _GeneratorBase)
+
+
+class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
+    """``torch.Generator(device="cuda")``: a generator of the storage device that says it is CUDA's."""
+
+    def __new__(cls, device: Any = "cpu") -> _UserGenerator:
+        target = _cuda_device(device)
+        storage = (ACTIVE.spec.storage if ACTIVE.spec is not None else CPU) if target is not None else device
+        return _GeneratorBase.__new__(cls, storage)
+
+    def __init__(self, device: Any = "cpu") -> None:
+        target = _cuda_device(device)
+        self._meshsim_device = target if target is not None else torch.device(device)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._meshsim_device
+
+
+
+def patches() -> list[tuple[Any, str, Any]]:
+    """What the emulation sets process-wide, as (owner, name, value): torch.Tensor's Python face and kin."""
+    make_wrapper = torch.Tensor._make_wrapper_subclass
+    return [
+        (torch.Tensor, _TAG, None),
+        (torch.Tensor, "device", property(_device_property)),
+        (torch.Tensor, "is_cuda", property(_is_cuda_property)),
+        (torch.Tensor, "get_device", _get_device),
+        (torch.Tensor, "to", _to),
+        (torch.Tensor, "cuda", _cuda),
+        (torch.Tensor, "cpu", _cpu),
+        (torch.Tensor, "pin_memory", _pin_memory),
+        (torch.Tensor, "is_pinned", _is_pinned),
+        (torch.Tensor, "data", property(_get_data, _set_data)),
+        (torch.Tensor, "grad", property(_get_grad, _set_grad, _del_grad)),
+        (torch.Tensor, "new_tensor", _made_on(torch._C.TensorBase.new_tensor)),
+        (torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass_for(make_wrapper))),
+        *((torch, name, _made_on(getattr(torch, name))) for name in ("tensor", "as_tensor", "asarray")),
+        (torch, "compile", _compile_for(torch.compile)),
+        (torch, "Generator", _UserGenerator),
+        (torch.autograd, "grad", _autograd_grad_for(torch.autograd.grad)),
+    ]
