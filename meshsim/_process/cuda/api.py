@@ -93,7 +93,7 @@ class _Stream(torch.Stream):
     def wait_stream(self, stream: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> _Event:
+    def record_event(self, event: Any = None) -> Any:
         event = event if event is not None else _Event()
         event.record(self)
         return event

@@ -167,7 +167,7 @@ def enter_rank() -> None:
     if spec is None:
         return
     mode = tensors.CudaMode(spec)
-    mode.__enter__()
+    mode.__enter__()  # type: ignore[no-untyped-call]
     stack = getattr(_modes, "stack", None)
     if stack is None:
         stack = _modes.stack = []

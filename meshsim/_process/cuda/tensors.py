@@ -6,7 +6,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch._guards
@@ -23,9 +23,9 @@ _PINNED = "_meshsim_pinned"
 
 # -- tags: which tensors are CUDA tensors -------------------------------------------------
 
-_REAL_DEVICE = torch._C.TensorBase.device
-_REAL_TO = torch._C.TensorBase.to
-_REAL_CPU = torch._C.TensorBase.cpu
+_REAL_DEVICE: Any = torch._C.TensorBase.device
+_REAL_TO: Any = torch._C.TensorBase.to
+_REAL_CPU: Any = torch._C.TensorBase.cpu
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
@@ -34,13 +34,13 @@ _tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a f
 
 def device_of(tensor: torch.Tensor) -> torch.device:
     """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
-    tag = getattr(tensor, _TAG, None)
+    tag: torch.device | None = getattr(tensor, _TAG, None)
     if tag is not None and not getattr(_kernel, "depth", 0):
         # While torch.compile compiles (a frame's tracing context or a fake mode on), the
         # compiler sees the storage it compiles for.
         if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
             return tag
-        return _REAL_DEVICE.__get__(tensor)
+        return cast(torch.device, _REAL_DEVICE.__get__(tensor))
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is not None and type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
         names, _ = flatten(tensor)
@@ -48,7 +48,7 @@ def device_of(tensor: torch.Tensor) -> torch.device:
             inner = getattr(tensor, names[0], None)
             if isinstance(inner, torch.Tensor):
                 return device_of(inner)
-    return _REAL_DEVICE.__get__(tensor)
+    return cast(torch.device, _REAL_DEVICE.__get__(tensor))
 
 
 def _tag(value: Any, device: torch.device) -> None:
@@ -85,7 +85,7 @@ def _cuda_device(device: Any) -> torch.device | None:
     if device.index is None:
         return torch.device("cuda", now().current)
     check_ordinal(device.index)
-    return device
+    return cast("torch.device | None", device)
 
 
 
@@ -119,7 +119,7 @@ def _facts(func: Any) -> tuple[bool, bool, bool]:
 def _first_tag(args: Any) -> torch.device | None:
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            tag = getattr(arg, _TAG, None)
+            tag: torch.device | None = getattr(arg, _TAG, None)
             if tag is not None:
                 return tag
         elif isinstance(arg, (list, tuple)):
@@ -127,15 +127,15 @@ def _first_tag(args: Any) -> torch.device | None:
                 if isinstance(item, torch.Tensor):
                     tag = getattr(item, _TAG, None)
                     if tag is not None:
-                        return tag
+                        return cast("torch.device | None", tag)
     return None
 
 
-class CudaMode(TorchDispatchMode):
+class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Every aten op of a thread that emulates CUDA: see the module docstring."""
 
     def __init__(self, spec: Spec) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.spec = spec
 
     @classmethod
@@ -300,20 +300,20 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if memory_format is not None:
         options["memory_format"] = memory_format
     if device is None:
-        return _REAL_TO(self, **options)
+        return cast(torch.Tensor, _REAL_TO(self, **options))
     here = device_of(self)
     target = _cuda_device(device)
     if target is None:  # to the CPU (or another real device): a copy from a CUDA tensor
         if here.type == "cuda" and spec.storage.type == "cpu":
             out = _REAL_TO(self, device, **{**options, "copy": True})
             _untag(out)
-            return out
-        return _REAL_TO(self, device, **options)
+            return cast(torch.Tensor, out)
+        return cast(torch.Tensor, _REAL_TO(self, device, **options))
     if here == target:
-        return _REAL_TO(self, **options)
+        return cast(torch.Tensor, _REAL_TO(self, **options))
     out = _REAL_TO(self, spec.storage, **{**options, "copy": True})
     _tag(out, target)
-    return out
+    return cast(torch.Tensor, out)
 
 
 def _cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
@@ -327,8 +327,8 @@ def _cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if device_of(self).type == "cuda" and ACTIVE.spec is not None and ACTIVE.spec.storage.type == "cpu":
         out = _REAL_TO(self, CPU, copy=True)
         _untag(out)
-        return out
-    return _REAL_CPU(self, *args, **kwargs)
+        return cast(torch.Tensor, out)
+    return cast(torch.Tensor, _REAL_CPU(self, *args, **kwargs))
 
 
 def _pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -341,7 +341,7 @@ def _is_pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
     return bool(getattr(self, _PINNED, False))
 
 
-_REAL_DATA = torch._C.TensorBase.data
+_REAL_DATA: Any = torch._C.TensorBase.data
 
 
 def _get_data(self: torch.Tensor) -> torch.Tensor:
@@ -349,7 +349,7 @@ def _get_data(self: torch.Tensor) -> torch.Tensor:
     tag = getattr(self, _TAG, None)
     if tag is not None:
         setattr(data, _TAG, tag)
-    return data
+    return cast(torch.Tensor, data)
 
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
@@ -360,7 +360,7 @@ def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
         setattr(self, _TAG, tag)
 
 
-_REAL_GRAD = torch._C.TensorBase.grad
+_REAL_GRAD: Any = torch._C.TensorBase.grad
 
 
 def _get_grad(self: torch.Tensor) -> torch.Tensor | None:
@@ -371,7 +371,7 @@ def _get_grad(self: torch.Tensor) -> torch.Tensor | None:
         tag = getattr(self, _TAG, None)
         if tag is not None and getattr(grad, _TAG, None) is None:
             _tag_untagged(grad, tag)
-    return grad
+    return cast("torch.Tensor | None", grad)
 
 
 def _set_grad(self: torch.Tensor, value: torch.Tensor | None) -> None:
@@ -495,7 +495,7 @@ class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
     def __new__(cls, device: Any = "cpu") -> _UserGenerator:
         target = _cuda_device(device)
         storage = (ACTIVE.spec.storage if ACTIVE.spec is not None else CPU) if target is not None else device
-        return _GeneratorBase.__new__(cls, storage)
+        return _GeneratorBase.__new__(cls, storage)  # type: ignore[call-arg,no-any-return]
 
     def __init__(self, device: Any = "cpu") -> None:
         target = _cuda_device(device)
