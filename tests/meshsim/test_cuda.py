@@ -88,14 +88,16 @@ def test_code_comparing_devices_behaves_as_on_a_gpu_machine():
         out = model(x)
         expected = torch.nn.functional.linear(x.cpu(), model.weight.cpu(), model.bias.cpu())
         torch.testing.assert_close(out.cpu(), expected)  # checks devices too
+        model.extra = torch.nn.Parameter(torch.ones(1, device="cuda"))  # a parameter made from a cuda tensor
         return (
+            model.extra.device == x.device and torch.ones(1, device="cuda").as_subclass(torch.Tensor).is_cuda,
             next(model.parameters()).device == x.device,
             out.device.type,
             model.weight.data.device.type,
             repr(out).endswith(f"device='cuda:{dist.get_rank()}', grad_fn=<AddmmBackward0>)"),
         )
 
-    assert _run(body) == [(True, "cuda", "cuda", True)] * 2
+    assert _run(body) == [(True, True, "cuda", "cuda", True)] * 2
 
 
 def test_the_cuda_rng_is_per_rank_and_per_device_and_apart_from_the_cpu_rng():
@@ -392,3 +394,41 @@ def test_processes_the_code_spawns_emulate_too():
         return "joined"
 
     assert _run(body, 1, timeout=120) == ["joined"]
+
+
+def test_cuda_only_attention_kernels_called_by_name_compute_on_the_cpu():
+    """Ring attention (PhysicsNeMo's) calls CUDA's memory-efficient attention and its backward by name."""
+    aten = torch.ops.aten
+
+    def body():
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 3, 5, 8, device="cuda", requires_grad=True) for _ in range(3))
+        bias = torch.randn(2, 3, 5, 5, device="cuda", requires_grad=True)
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
+        grad = torch.randn_like(out)
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, True]
+        )
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        expected = torch.autograd.grad(reference, [q, k, v, bias], grad)
+        close = [torch.allclose(a, b, atol=1e-5) for a, b in zip((out, *grads), (reference, *expected))]
+        return close, out.device.type, grads[0].device.type
+
+    assert _run(body, 1) == [([True] * 5, "cuda", "cuda")]
+
+
+def test_dtensor_random_ops_on_a_cuda_mesh_use_the_offset_based_tracker():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def body():
+        torch.cuda.set_device(dist.get_rank())
+        mesh = init_device_mesh("cuda", (2,))
+        torch.manual_seed(0)
+        x = distribute_tensor(torch.empty(8, 4, device="cuda"), mesh, [Shard(0)])
+        x.uniform_()  # each shard from its own offsets, as on GPUs
+        full = x.full_tensor()
+        offset = torch.cuda.get_rng_state()[8:].view(torch.int64).item()
+        return full.device.type, bool((full[:4] != full[4:]).any()), offset
+
+    assert _run(body) == [("cuda", True, 32)] * 2  # every rank's generator moves past the whole tensor

@@ -62,6 +62,7 @@ def _install(spec: Spec) -> None:
         ACTIVE.spec = spec
         for name, value in api.stand_ins(spec).items():
             undo.append(_set_attr(torch.cuda, name, value))
+        tensors.register_higher_order_ops()
         for owner, name, value in tensors.patches():
             undo.append(_set_attr(owner, name, value))
         undo.append(_children_emulate(spec))

@@ -180,7 +180,9 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # as kernels do: what they make is tagged on the way out.
         _kernel.depth = depth = getattr(_kernel, "depth", 0) + 1
         try:
-            if seeded and target is not None and kwargs.get("generator") is None:
+            if target is not None and func in _ON_CPU:
+                out = _ON_CPU[func](*args, **kwargs)  # a CUDA-only kernel, computed by the CPU's
+            elif seeded and target is not None and kwargs.get("generator") is None:
                 out = _seeded(self.spec, func, args, kwargs, target)
             elif cuda_only and target is not None:
                 out = func.redispatch(_CUDA_KEYS, *args, **kwargs)  # its CUDA kernel, on the storage
@@ -195,6 +197,88 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         elif pinned:
             setattr(out, _PINNED, True)
         return out
+
+
+def _efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA's memory-efficient attention, by the CPU's flash attention: the output and the log-sum-exp."""
+    out, log_sumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale
+    )
+    seed = torch.zeros((), dtype=torch.int64)  # no Philox draw: dropout is the CPU kernel's
+    return out, log_sumexp, seed, seed.clone()
+
+
+def _efficient_attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    out: torch.Tensor,
+    log_sumexp: torch.Tensor,
+    philox_seed: torch.Tensor,
+    philox_offset: torch.Tensor,
+    dropout_p: float,
+    grad_input_mask: list[bool],
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Its backward, from the given output and log-sum-exp (ring attention passes the global ones)."""
+    lse = log_sumexp[..., : query.shape[-2]].contiguous()  # CUDA pads the query dim; the CPU does not
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask=attn_bias, scale=scale
+    )
+    grad_bias = None
+    if attn_bias is not None and len(grad_input_mask) > 3 and grad_input_mask[3]:
+        factor = scale if scale is not None else query.shape[-1] ** -0.5
+        probs = torch.exp(query @ key.transpose(-2, -1) * factor + attn_bias - lse.unsqueeze(-1))
+        delta = (grad_out * out).sum(-1, keepdim=True)
+        grad_scores = probs * (grad_out @ value.transpose(-2, -1) - delta)
+        grad_bias = grad_scores.sum_to_size(attn_bias.shape)
+    return grad_q, grad_k, grad_v, grad_bias
+
+
+# CUDA-only aten kernels that code written for GPUs calls by name, and the CPU's stand-ins
+_ON_CPU: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: _efficient_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
+}
+
+def _dtensor_rng(mode: CudaMode, start: int, end: int, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """DTensor's random ops on CUDA meshes (``run_dtensor_rng_op``): the rank's generator, at DTensor's offsets.
+
+    As torch's CUDA implementation: the op draws from the generator's offset moved
+    by ``start``, and leaves it at the old offset plus ``end``.
+    """
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    device = device_of(first) if first is not None else torch.device("cuda", now().current)
+    generator = now().generator(device.index or 0)
+    old = generator.offset
+    generator.offset = old + start
+    try:
+        with mode:
+            return op(*args, **kwargs)
+    finally:
+        generator.offset = old + end
+
+
+def register_higher_order_ops() -> None:
+    """Teach torch's higher-order ops that need a rule per mode (checked in torch 2.13) about this mode."""
+    rng_prims = __import__("torch._prims.rng_prims", fromlist=["run_dtensor_rng_op"])
+    hop = getattr(rng_prims, "run_dtensor_rng_op", None)  # not in every release of the range
+    if hop is not None and CudaMode not in hop.python_key_table:
+        hop.py_impl(CudaMode)(_dtensor_rng)
 
 
 _RECORD_STREAM = torch.ops.aten.record_stream.default
@@ -464,6 +548,20 @@ def _tag_untagged(value: Any, device: torch.device) -> None:
             _tag_untagged(item, device)
 
 
+def _keeps_device(original: Any, data_at: int) -> Callable[..., Any]:
+    """``_make_subclass`` (``nn.Parameter(t)``) and ``as_subclass``: the new object has its data's device."""
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        data = args[data_at] if len(args) > data_at else kwargs.get("data")
+        tag = getattr(data, _TAG, None)
+        if tag is not None:
+            setattr(out, _TAG, tag)
+        return out
+
+    return make
+
+
 def _make_wrapper_subclass_for(original: Any) -> Callable[..., Any]:
     def make_wrapper_subclass(cls: Any, *args: Any, **kwargs: Any) -> Any:
         target = _cuda_device(kwargs.get("device"))
@@ -523,6 +621,8 @@ def patches() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "data", property(_get_data, _set_data)),
         (torch.Tensor, "grad", property(_get_grad, _set_grad, _del_grad)),
         (torch.Tensor, "new_tensor", _made_on(torch._C.TensorBase.new_tensor)),
+        (torch.Tensor, "_make_subclass", staticmethod(_keeps_device(torch.Tensor._make_subclass, 1))),
+        (torch.Tensor, "as_subclass", _keeps_device(torch._C.TensorBase.as_subclass, 0)),
         (torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass_for(make_wrapper))),
         *((torch, name, _made_on(getattr(torch, name))) for name in ("tensor", "as_tensor", "asarray")),
         (torch, "compile", _compile_for(torch.compile)),
