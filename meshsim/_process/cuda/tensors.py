@@ -256,7 +256,7 @@ _ON_CPU: dict[Any, Callable[..., Any]] = {
 }
 
 def _dtensor_rng(mode: CudaMode, start: int, end: int, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """DTensor's random ops on CUDA meshes (``run_dtensor_rng_op``): the rank's generator, at DTensor's offsets.
+    """DTensor's random ops on CUDA meshes (``run_dtensor_rng_op``): the rank's generator, DTensor's offsets.
 
     As torch's CUDA implementation: the op draws from the generator's offset moved
     by ``start``, and leaves it at the old offset plus ``end``.
