@@ -66,6 +66,8 @@ def _install(spec: Spec) -> None:
         for owner, name, value in tensors.patches():
             undo.append(_set_attr(owner, name, value))
         undo.append(_children_emulate(spec))
+        if spec.storage.type == "cpu":
+            undo.extend(_groups_on_the_storage())
     except BaseException:
         while undo:
             undo.pop()()
@@ -119,41 +121,44 @@ def _children_emulate(spec: Spec) -> Callable[[], None]:
 
 
 def emulate_in_process(storage: str, devices: int) -> None:
-    """Emulate CUDA in this whole process (a child user code started): NCCL groups are gloo groups.
-
-    The process is a real rank of a real job: its ``init_process_group("nccl", device_id=...)``
-    and ``new_group(backend="nccl")`` make gloo groups, whose CPU tensors are what the
-    emulated CUDA tensors hold. Not undone: the process is the child's alone.
-    """
+    """Emulate CUDA in this whole process (a child user code started). Not undone: the process is the child's."""
     spec = parse(storage, devices=devices)
-    if spec is None:
-        return
-    acquire(spec)
-    enter_rank()
+    if spec is not None:
+        acquire(spec)
+        enter_rank()
+
+
+def _groups_on_the_storage() -> list[Callable[[], None]]:
+    """Process groups made outside meshsim's worlds (a child's, a single-process test's) hold CPU tensors.
+
+    ``init_process_group("nccl")`` and ``new_group(backend="nccl")`` make gloo groups, and
+    a CUDA ``device_id`` (torch binds a group to it) is dropped: the emulated tensors
+    are CPU tensors. Inside a world's ranks meshsim's own adoption answers first.
+    """
+    import inspect
+
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    undo = []
     for name in ("init_process_group", "new_group"):
-        gloo = _nccl_as_gloo(getattr(c10d, name))
-        setattr(c10d, name, gloo)
-        setattr(dist, name, gloo)
+        original = getattr(c10d, name)
+        signature = inspect.signature(original)
 
+        def call(*args: Any, _original: Any = original, _signature: Any = signature, **kwargs: Any) -> Any:
+            bound = _signature.bind_partial(*args, **kwargs)
+            backend = bound.arguments.get("backend")
+            if backend is not None and "nccl" in str(backend).lower():
+                bound.arguments["backend"] = "gloo"
+            device_id = bound.arguments.get("device_id")
+            if isinstance(device_id, (torch.device, int)) and tensors.cuda_device(device_id) is not None:
+                bound.arguments.pop("device_id")
+            return _original(*bound.args, **bound.kwargs)
 
-def _nccl_as_gloo(original: Callable[..., Any]) -> Callable[..., Any]:
-    import inspect
-
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs)
-        backend = bound.arguments.get("backend")
-        if backend is not None and "nccl" in str(backend).lower():
-            bound.arguments["backend"] = "gloo"
-            bound.arguments.pop("device_id", None)
-        return original(*bound.args, **bound.kwargs)
-
-    return call
+        functools.update_wrapper(call, original)
+        undo.append(_set_attr(c10d, name, call))
+        undo.append(_set_attr(dist, name, call))
+    return undo
 
 
 

@@ -72,7 +72,7 @@ def _untag(value: Any) -> None:
         setattr(value, _TAG, None)
 
 
-def _cuda_device(device: Any) -> torch.device | None:
+def cuda_device(device: Any) -> torch.device | None:
     """``device`` as a full ``cuda:k`` when it names CUDA (a bare ``cuda``: the current device), else None."""
     if device is None:
         return None
@@ -168,7 +168,7 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if "device" in kwargs or "pin_memory" in kwargs:
             kwargs = dict(kwargs)
             pinned = bool(kwargs.pop("pin_memory", None))
-            target = _cuda_device(kwargs.get("device"))
+            target = cuda_device(kwargs.get("device"))
             if target is not None:
                 kwargs["device"] = self.spec.storage
             elif kwargs.get("device") is None:
@@ -386,7 +386,7 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if device is None:
         return cast(torch.Tensor, _REAL_TO(self, **options))
     here = device_of(self)
-    target = _cuda_device(device)
+    target = cuda_device(device)
     if target is None:  # to the CPU (or another real device): a copy from a CUDA tensor
         if here.type == "cuda" and spec.storage.type == "cpu":
             out = _REAL_TO(self, device, **{**options, "copy": True})
@@ -401,7 +401,7 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
-    target = _cuda_device(torch.device("cuda") if device is None else device)
+    target = cuda_device(torch.device("cuda") if device is None else device)
     if target is None:
         raise ValueError(f"Tensor.cuda() takes a CUDA device or its index, got {device!r}")
     return _to(self, target, **kwargs)
@@ -484,7 +484,7 @@ def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
     """``torch.tensor`` and its kin, whose ``device=`` torch checks before any op runs."""
 
     def make(*args: Any, **kwargs: Any) -> torch.Tensor:
-        target = _cuda_device(kwargs.get("device"))
+        target = cuda_device(kwargs.get("device"))
         # pinned host memory needs a real GPU's allocator: without one, the tensor says it is pinned
         pinned = bool(kwargs.pop("pin_memory", False)) if REAL_CUDA["is_available"]() is False else False
         if target is not None:
@@ -564,7 +564,7 @@ def _keeps_device(original: Any, data_at: int) -> Callable[..., Any]:
 
 def _make_wrapper_subclass_for(original: Any) -> Callable[..., Any]:
     def make_wrapper_subclass(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        target = _cuda_device(kwargs.get("device"))
+        target = cuda_device(kwargs.get("device"))
         if target is not None:
             kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
         out = original(cls, *args, **kwargs)
@@ -591,12 +591,12 @@ class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
     """``torch.Generator(device="cuda")``: a generator of the storage device that says it is CUDA's."""
 
     def __new__(cls, device: Any = "cpu") -> _UserGenerator:
-        target = _cuda_device(device)
+        target = cuda_device(device)
         storage = (ACTIVE.spec.storage if ACTIVE.spec is not None else CPU) if target is not None else device
         return _GeneratorBase.__new__(cls, storage)  # type: ignore[call-arg,no-any-return]
 
     def __init__(self, device: Any = "cpu") -> None:
-        target = _cuda_device(device)
+        target = cuda_device(device)
         self._meshsim_device = target if target is not None else torch.device(device)
 
     @property
