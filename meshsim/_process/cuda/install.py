@@ -121,7 +121,7 @@ def _children_emulate(spec: Spec) -> Callable[[], None]:
 
 
 def emulate_in_process(storage: str, devices: int) -> None:
-    """Emulate CUDA in this whole process (a child user code started). Not undone: the process is the child's."""
+    """Emulate CUDA in this whole process (a child user code started); not undone: the child owns it."""
     spec = parse(storage, devices=devices)
     if spec is not None:
         acquire(spec)
