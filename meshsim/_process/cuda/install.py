@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from meshsim._process.cuda import api, tensors
+from meshsim._process.cuda import api, rank, tensors
 from meshsim._process.cuda.spec import ACTIVE, Spec, parse
 
 __all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release"]
@@ -62,6 +62,7 @@ def _install(spec: Spec) -> None:
         ACTIVE.spec = spec
         for name, value in api.stand_ins(spec).items():
             undo.append(_set_attr(torch.cuda, name, value))
+        rank.declare_per_rank()
         tensors.register_higher_order_ops()
         for owner, name, value in tensors.patches():
             undo.append(_set_attr(owner, name, value))

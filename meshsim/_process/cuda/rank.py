@@ -14,10 +14,9 @@ import torch
 from meshsim._process.cuda.spec import ACTIVE, CPU
 from meshsim._process.handover import declare_accessor
 
-__all__ = ["Generator", "Rank", "check_ordinal", "device_count", "index_of", "now"]
+__all__ = ["Generator", "Rank", "check_ordinal", "declare_per_rank", "device_count", "index_of", "now"]
 
 DEFAULT_SEED = 67280421310721  # what a new process's generators start from (torch's default seed)
-
 
 
 class Generator:
@@ -101,13 +100,24 @@ def _set_state(value: Rank) -> None:
     _state = value
 
 
-declare_accessor(
-    "the emulated CUDA device, RNGs and memory counters",
-    get=_get_state,
-    set=_set_state,
-    start=lambda caller, rank: Rank(),  # as a new process: device 0, default seeds, nothing allocated
-    moved=lambda before, now: now is not before,
-)
+_declared = False
+
+
+def declare_per_rank() -> None:
+    """Make each rank's GPUs an entry of the hand-over registry, when the emulation is first installed.
+
+    Not before: a process that never emulates CUDA swaps nothing more at its hand-overs.
+    """
+    global _declared
+    if not _declared:
+        _declared = True
+        declare_accessor(
+            "the emulated CUDA device, RNGs and memory counters",
+            get=_get_state,
+            set=_set_state,
+            start=lambda caller, rank: Rank(),  # as a new process: device 0, default seeds, nothing allocated
+            moved=lambda before, now: now is not before,
+        )
 
 
 
