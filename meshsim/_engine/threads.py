@@ -183,6 +183,7 @@ class _Pool:
         # runs while some worker is idle (started by give_back, ends when none is)
         self._reaper: threading.Thread | None = None
         self._reaper_stop = threading.Event()
+        self._last_reaper: threading.Thread | None = None  # may still be on its way out
 
     def take(self, count: int) -> tuple[list[Worker], list[Worker]]:
         """``count`` workers, idle ones first; the new ones (the second list, the tail of the first)."""
@@ -205,7 +206,7 @@ class _Pool:
             self._idle.extend(kept)
             if self._idle and self._reaper is None:
                 self._reaper_stop = threading.Event()
-                start = self._reaper = threading.Thread(
+                start = self._reaper = self._last_reaper = threading.Thread(
                     target=self._reap, args=(self._reaper_stop,), name="meshsim-reaper", daemon=True
                 )
         if start is not None:
@@ -239,9 +240,13 @@ class _Pool:
         with self._lock:
             reaper, self._reaper = self._reaper, None
             stop = self._reaper_stop
+            last = self._last_reaper
         if reaper is not None:
             stop.set()
-            reaper.join(timeout)
+        # A reaper that found no idle worker has let go of its place but may still be
+        # ending the last ones it took: wait for it too.
+        if last is not None and last is not threading.current_thread():
+            last.join(timeout)
 
     def take_all(self) -> list[Worker]:
         with self._lock:
