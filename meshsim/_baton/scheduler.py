@@ -46,6 +46,12 @@ PROBE = 1.0
 # computing: a thread blocked on a lock uses none, one polling in short sleeps well under
 # 1%; a computing one gets its share of the machine (2 CPUs and 30 busy processes: 6%).
 _CPU_SHARE = 0.02
+# Below this share a probe shows a blocked rank (a thread asleep on a lock uses microseconds);
+# between it and _CPU_SHARE the probe is looked at again over twice the time, up to
+# _LONGEST_PROBE probes' worth, so that a computing rank a loaded machine starved for one
+# probe is not taken for a blocked one.
+_BLOCKED_SHARE = 0.001
+_LONGEST_PROBE = 4
 _CPU_CLOCKS = getattr(time, "pthread_getcpuclockid", None)  # Linux, the BSDs; not macOS or Windows
 
 
@@ -127,6 +133,7 @@ class Scheduler:
         self._busy_from = -1.0
         self._probe: tuple[float, dict[int, float | None]] | None = None
         self._busy_cpu = 0.0  # CPU seconds running ranks used since the last progress
+        self._window: float | None = None  # a longer probe, after an inconclusive one
         # No rank runs before begin(), which rings the first one(s).
         self._holder: int | None = None
         self._begun = False
@@ -306,8 +313,10 @@ class Scheduler:
         machine) restarts the clock, so it is not mistaken for a hang. Whether a running
         rank computes is read from its thread's CPU clock over a probe of
         ``min(timeout, PROBE)`` seconds (computing: at least 2% of the probe on the CPU,
-        a share a loaded machine still gives): a rank blocked outside meshsim (a lock, a sleep, I/O) uses
-        none and is reported after ``timeout`` and the probe. Running ranks that compute
+        a share a loaded machine still gives; between 0.1% and 2%, the clock is read
+        again over twice the time, up to four probes' worth): a rank blocked outside
+        meshsim (a lock, a sleep, I/O) uses none and is reported after ``timeout`` and
+        the probe. Running ranks that compute
         on and on without any wait completing are reported once they have used
         ``RUN_LIMIT`` x ``timeout`` CPU seconds: counted in CPU time, not wall time, so
         a loaded machine does not cut a long computation short.
@@ -328,13 +337,21 @@ class Scheduler:
                 return False
             if self._busy_from != self._progress_at:  # progress since the last extension: a fresh count
                 self._busy_from, self._probe, self._busy_cpu = self._progress_at, None, 0.0
-            probe = min(timeout, PROBE)
+                self._window = None
+            shortest = min(timeout, PROBE)
+            probe = self._window or shortest
             used = self._computing(now, probe)
             if used is None:
                 return False  # probing
             self._busy_cpu += used
-            if used >= _CPU_SHARE * probe and self._busy_cpu < RUN_LIMIT * timeout:
+            self._window = None
+            if self._busy_cpu >= RUN_LIMIT * timeout:
+                return self._abort(self._timeout_error(idle, timeout))
+            if used >= _CPU_SHARE * probe:
                 self._grace_until = now + timeout  # a rank computes: wait another timeout
+                return False
+            if used >= _BLOCKED_SHARE * probe and probe < _LONGEST_PROBE * shortest:
+                self._window = 2 * probe  # some CPU, too little to tell: look again, for longer
                 return False
             return self._abort(self._timeout_error(idle, timeout))
         finally:
