@@ -369,7 +369,15 @@ def _spawned_rank(rank, world_size, port):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    import datetime
+
+    dist.init_process_group(
+        "nccl",
+        rank=rank,
+        world_size=world_size,
+        device_id=torch.device("cuda", rank),
+        timeout=datetime.timedelta(seconds=60),  # a lost peer fails the child, it does not hang it
+    )
     try:
         torch.cuda.set_device(rank)
         x = torch.full((2,), float(rank), device="cuda")
@@ -390,10 +398,15 @@ def test_processes_the_code_spawns_emulate_too():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.spawn(_spawned_rank, args=(2, port), nprocs=2, join=True)  # raises if a child fails
-        return "joined"
+        children = mp.spawn(_spawned_rank, args=(2, port), nprocs=2, join=False)
+        for _ in range(24):  # at most 120 s; join() raises if a child fails
+            if children.join(timeout=5):
+                return "joined"
+        for process in children.processes:
+            process.kill()
+        raise AssertionError("the spawned children did not finish within 120 s")
 
-    assert _run(body, 1, timeout=120) == ["joined"]
+    assert _run(body, 1, timeout=180) == ["joined"]
 
 
 def test_cuda_only_attention_kernels_called_by_name_compute_on_the_cpu():
