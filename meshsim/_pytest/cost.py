@@ -11,7 +11,8 @@ time). The session ends with the slowest tests. ``--mesh-cost-budget=DURATION``,
 test whose estimate is over it.
 
 The ledgers reach this module from :mod:`meshsim._pytest.ranks`, which hands every
-rank's ledger of a passed body to :func:`check_for`'s check on every backend; the
+rank's ledger of a passed body to the checks features add to the run's state
+(:func:`check_for`'s here) on every backend; the
 estimate travels on the test's report (to xdist's controller too). Snapshots and
 traces read the topology from the run's state (:mod:`meshsim._pytest.state`).
 
@@ -132,7 +133,9 @@ def pytest_configure(config: pytest.Config) -> None:
     text = config.getoption("mesh_cost", None)
     if config.getoption("mesh_cost_budget", None) is not None and text is None:
         raise pytest.UsageError("--mesh-cost-budget needs --mesh-cost=TOPOLOGY to price the tests on")
-    state_of(config).topology = _topology(text) if text is not None else None
+    state = state_of(config)
+    state.topology = _topology(text) if text is not None else None
+    state.check_ledgers_with(1, check_for)  # after the snapshot check: a changed snapshot is still priced
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -170,8 +173,11 @@ class _OverBudget(AssertionError):
     """The test's estimated communication time is over its budget."""
 
 
-def check_for(item: pytest.Item) -> Callable[[list[Any]], None] | None:
-    """Under ``--mesh-cost``: what prices every rank's ledger of the test's body (and checks its budget)."""
+def check_for(item: pytest.Function, write: bool) -> Callable[[list[Any]], None] | None:
+    """Under ``--mesh-cost``: what prices every rank's ledger of the test's body (and checks its budget).
+
+    ``write`` does not matter: pricing writes nothing.
+    """
     topology = state_of(item.config).topology
     if topology is None:
         return None

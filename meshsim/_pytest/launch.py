@@ -90,6 +90,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             config.pluginmanager.unregister(reporter)
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Under torchrun: which rank of the job this process is."""
+    static = state_of(config).static
+    if static is None:
+        return []
+    return [f"meshsim: --multigpu-static, rank {static.rank} of {static.world_size}"]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Leave the torchrun job once every rank is done."""

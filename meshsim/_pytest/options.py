@@ -262,19 +262,8 @@ def static_environment_or_none(config: pytest.Config) -> dict[str, int] | None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The options' line; under ``--multigpu-static`` the job's own line says more (launch, static)."""
+    if config.getoption("multigpu_static", default=False):
+        return []
     state = state_of(config)
-    if state.static is not None:
-        return [f"meshsim: --multigpu-static, rank {state.static.rank} of {state.static.world_size}"]
-    if state.job is not None:
-        lines = [
-            f"meshsim: --multigpu-static on {state.world_size} simulated ranks (--mesh-backend="
-            f"{state.backend}): one job for the session, set up as torchrun would"
-        ]
-        if state.backend == "gloo":
-            lines.append(
-                "meshsim: gloo thread ranks run at once and share what a process owns (RANK in the "
-                "environment, RNGs, singletons declared per rank): use --mesh-backend=sim or spawn for "
-                "code that reads its rank from them"
-            )
-        return lines
     return [f"meshsim: --mesh-backend={state.backend}, multigpu_static world size {state.world_size}"]

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from meshsim._engine.outcomes import decided
-from meshsim._pytest import cost, snapshots
 from meshsim._pytest.options import WorldSpec, size_of, spec_of
 from meshsim._pytest.state import PluginState, state_of
 
@@ -122,12 +121,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def _ledger_checks(item: pytest.Function, *, write: bool) -> Callable[[list[Any]], None] | None:
-    """What every rank's ledger of a passed body goes to: the snapshot check, then the cost estimate.
+    """What every rank's ledger of a passed body goes to: the features' checks, in their order.
 
     Each one runs whatever the one before raised (a changed snapshot is still priced);
     the first failure is the test's, with the others' messages as its notes.
     """
-    checks = [c for c in (snapshots.check_for(item, write=write), cost.check_for(item)) if c is not None]
+    wanted = (check_for(item, write) for _, check_for in state_of(item.config).ledger_checks)
+    checks = [check for check in wanted if check is not None]
     if not checks:
         return None
 

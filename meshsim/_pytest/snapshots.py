@@ -23,7 +23,12 @@ __all__ = ["check_for"]
 _SNAPSHOT = pytest.StashKey[str]()  # what a test's check did: created, matched, updated
 
 
-def check_for(item: pytest.Function, *, write: bool) -> Callable[[list[Any]], None] | None:
+def pytest_configure(config: pytest.Config) -> None:
+    """Snapshots take every passed distributed test's ledgers first (before they are priced)."""
+    state_of(config).check_ledgers_with(0, check_for)
+
+
+def check_for(item: pytest.Function, write: bool) -> Callable[[list[Any]], None] | None:
     """For a test that uses ``ledger_snapshot``: what checks every rank's ledger against its file."""
     if "ledger_snapshot" not in item.fixturenames:
         return None

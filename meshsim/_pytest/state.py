@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,7 +15,11 @@ if TYPE_CHECKING:
     from meshsim._observe.topology import Topology
     from meshsim._pytest.simjob import SimulatedJob
 
-__all__ = ["PluginState", "state_of"]
+__all__ = ["LedgerCheck", "PluginState", "state_of"]
+
+#: A feature's check of a passed distributed test's ledgers: given the test and whether this process
+#: writes files (under torchrun only rank 0 does), what takes every rank's ledger, or None (not wanted).
+LedgerCheck = Callable[["pytest.Function", bool], "Callable[[list[Any]], None] | None"]
 
 
 @dataclass
@@ -29,6 +35,8 @@ class PluginState:
         item: the distributed test being set up or run.
         topology: ``--mesh-cost``: the GPU topology tests, snapshots and traces are priced on.
         watches: the watches the plugin keeps open for the whole run (closed at its end).
+        ledger_checks: the features that take a passed test's ledgers (snapshots, cost), in the
+            order they run; each adds itself with :meth:`check_ledgers_with`.
     """
 
     backend: str
@@ -41,6 +49,11 @@ class PluginState:
     item: pytest.Item | None = None
     topology: Topology | None = None
     watches: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    ledger_checks: list[tuple[int, LedgerCheck]] = field(default_factory=list)
+
+    def check_ledgers_with(self, order: int, check: LedgerCheck) -> None:
+        """Give ``check`` every passed distributed test's ledgers, after the checks of lower ``order``."""
+        bisect.insort(self.ledger_checks, (order, check), key=lambda entry: entry[0])
 
 
 _STATE = pytest.StashKey[PluginState]()

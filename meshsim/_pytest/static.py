@@ -28,6 +28,24 @@ def pytest_configure(config: pytest.Config) -> None:
     state.job = job
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The session's simulated job: its size and backend, and what gloo thread ranks share."""
+    state = state_of(config)
+    if state.job is None:
+        return []
+    lines = [
+        f"meshsim: --multigpu-static on {state.world_size} simulated ranks (--mesh-backend="
+        f"{state.backend}): one job for the session, set up as torchrun would"
+    ]
+    if state.backend == "gloo":
+        lines.append(
+            "meshsim: gloo thread ranks run at once and share what a process owns (RANK in the "
+            "environment, RNGs, singletons declared per rank): use --mesh-backend=sim or spawn for "
+            "code that reads its rank from them"
+        )
+    return lines
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """End the job's world (the user's clean-up hooks run there) and stop routing their hooks."""
