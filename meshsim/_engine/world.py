@@ -162,38 +162,26 @@ def run_ranks(
     *,
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
-    timeout: float = 60.0,
-    backend: str = "sim",
-    serialize: bool = True,
-    gpu_paths: bool = True,
-    num_threads: int | None = 1,
-    redundant: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
-    cuda: str | None = None,
+    **options: Any,
 ) -> list[Any]:
     """:func:`run`, with a world whose ranks raised always raising ``RankError``.
 
-    For meshsim's unittest bases, which report skips in unittest's terms.
+    For meshsim's unittest bases, which report skips in unittest's terms. ``options`` are
+    :class:`World`'s (``timeout``, ``backend``, ``serialize``, ``gpu_paths``, ``num_threads``,
+    ``redundant``, ``cuda``), as for :func:`run`.
     """
+    redundant = options.get("redundant")
     if redundant is not None and not isinstance(redundant, bool):
         raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
-    world = World(
-        world_size,
-        timeout=timeout,
-        backend=backend,
-        serialize=serialize,
-        gpu_paths=gpu_paths,
-        num_threads=num_threads,
-        redundant=redundant,
-        cuda=cuda,
-    )
+    world = World(world_size, **options)
     path = None
     if trace is not None:
         path = _trace.checked_path(trace)
-        if backend != "sim":
+        if world.backend != "sim":
             raise ValueError(
-                f"trace={str(trace)!r} draws a simulated world; backend={backend!r} ranks are not "
-                "seen by meshsim between their calls: use backend='sim'"
+                f"trace={str(trace)!r} draws a simulated world; backend={world.backend!r} ranks are "
+                "not seen by meshsim between their calls: use backend='sim'"
             )
     _check_fn(fn)
     return world.start(only=(fn, tuple(args), dict(kwargs or {})), trace=path).close()
