@@ -184,7 +184,8 @@ def run_ranks(
                 "not seen by meshsim between their calls: use backend='sim'"
             )
     _check_fn(fn)
-    return world.start(only=(fn, tuple(args), dict(kwargs or {})), trace=path).close()
+    with world.pinned():  # one pinning from start to close: between them the caller only waits
+        return world.start(only=(fn, tuple(args), dict(kwargs or {})), trace=path).close()
 
 
 def name_of(fn: Any) -> str:
@@ -298,6 +299,7 @@ class World:
         self.cpu: int | None = None
         self.cpus: frozenset[int] | None = None  # where rank threads run
         self._allowed: frozenset[int] | None = None  # the caller's CPUs
+        self._pinnings = 0  # nested _Pinning blocks open: the outermost pins and unpins
         self._saved: ProcessState | None = None  # the caller's state as the last call began
         self._leaks: LeakCheck | None = None
         self._posts: list[_Post] = []
@@ -334,7 +336,7 @@ class World:
         self.started = True
         saved = self._open()
         try:
-            with self._pinned():
+            with self.pinned():
                 if only is not None:
                     fn, args, kwargs = only
                     name = name_of(fn)
@@ -389,7 +391,7 @@ class World:
         label = name or name_of(fn)
         self._observe(label, None, traced=traced)
         try:
-            with self._pinned():
+            with self.pinned():
                 self._post(_Call(fn, tuple(args), dict(kwargs or {}), label, reseed), last=False, reload=True)
                 self.supervise(self._idle)
         except BaseException as exc:  # KeyboardInterrupt in the caller
@@ -414,7 +416,7 @@ class World:
         saved = self._saved
         assert saved is not None
         try:
-            with self._pinned():
+            with self.pinned():
                 try:
                     if self.scheduler.error is None and not self._ending():
                         saved = ProcessState.capture(saved.slots)  # the caller's state now, to put back
@@ -462,7 +464,8 @@ class World:
 
     # -- internals of the caller's side ---------------------------------------------
 
-    def _pinned(self) -> _Pinning:
+    def pinned(self) -> _Pinning:
+        """The caller on the ranks' CPU for the block; nested blocks pin once (a run's start to close)."""
         return _Pinning(self)
 
     def _place(self) -> frozenset[int] | None:
@@ -694,8 +697,12 @@ class World:
 
     def _next_call(self, rank: int, k: int) -> _Call | None:
         scheduler = self.scheduler
-        with scheduler:
-            post = self._post_for(k)
+        posts = self._posts
+        if k < len(posts):  # made already (a run's call and its end are posted at once): no lock
+            post = posts[k]
+        else:
+            with scheduler:
+                post = self._post_for(k)
         scheduler.wait(rank, post)
         return post.call
 
@@ -753,11 +760,16 @@ class _Pinning:
 
     def __enter__(self) -> None:
         world = self.world
+        if world._pinnings:  # already held by an enclosing block
+            world._pinnings += 1
+            return
+        world._pinnings = 1
         if world._allowed is None and world.cpus is None:
             world._allowed = world._place()
         self.pinned = _affinity.pin(world.cpu, world._allowed)
 
     def __exit__(self, *exc_info: object) -> None:
+        self.world._pinnings -= 1
         if self.pinned:
             _affinity.unpin(self.world._allowed)
 

@@ -30,6 +30,7 @@ of this.
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -107,6 +108,8 @@ class _Slot:
         if self.share is not None and caller is not _ABSENT and (self.share == "unchanged" or not caller):
             shared = self.copy(caller)  # the world's own: the caller's object is never handed out
             return [shared] * world_size
+        if self.fresh is None and self.duplicate is copy_container and not isinstance(caller, _CONTAINERS):
+            return [caller] * world_size  # what copy_container gives back as it is: no call per rank
         return [self.start(caller) for _ in range(world_size)]
 
     def moved(self, before: Any, now: Any) -> bool:
@@ -316,6 +319,9 @@ def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None
     return PerRankState(slots)
 
 
+_CONTAINERS = (dict, list, set)  # what copy_container copies
+
+
 def copy_container(value: Any) -> Any:
     """A shallow copy of a dict, list or set (their own ``copy``, in C); anything else as it is.
 
@@ -323,7 +329,7 @@ def copy_container(value: Any) -> Any:
     tables, filter lists, registries. Strings, numbers, functions and None cannot be
     changed in place, so ranks may share them.
     """
-    if isinstance(value, (dict, list, set)):
+    if isinstance(value, _CONTAINERS):
         return value.copy()
     return value
 
@@ -417,10 +423,11 @@ class WorldSlots:
 
     def start(self, world_size: int) -> list[list[Any]]:
         """Every rank's starting values (kept by the world; :meth:`save` and :meth:`load` take a rank)."""
-        self.ranks = [[] for _ in range(world_size)]
-        for slot, value in zip(self.slots, self.caller):
-            for values, start in zip(self.ranks, slot.starts(value, world_size)):
-                values.append(start)
+        # slot by slot, then turned into rank by rank in C
+        columns = [slot.starts(value, world_size) for slot, value in zip(self.slots, self.caller)]
+        self.ranks = (
+            [list(values) for values in zip(*columns)] if columns else [[] for _ in range(world_size)]
+        )
         self._find_shared()
         return self.ranks
 
@@ -430,21 +437,33 @@ class WorldSlots:
         Runs in the caller's thread before ranks run (a world's or a session job's start).
         """
         self._shared = []
+        ranks = self.ranks  # none: no world started yet
+        # per slot, whether every rank holds the first rank's very object (checked in C)
+        same = [all(map(operator.is_, column, itertools.repeat(column[0]))) for column in zip(*ranks)]
         for run in self._plan.runs:
-            rows = [values[run.start : run.stop] for values in self.ranks]  # none: no world started yet
-            first = tuple(rows[0]) if rows else ()
-            if not rows or not all(all(map(operator.is_, row, first)) for row in rows[1:]):
+            if not ranks or not all(same[run.start : run.stop]):
                 self._shared.append(None)
                 continue
+            first = tuple(ranks[0][run.start : run.stop])
             slots = self.slots[run.start : run.stop]
             self._shared.append(_Shared.of(slots, first))
             run.namespace.update(zip(run.names, first))  # shared runs are not loaded at hand-overs
         self._pack()
 
     def _pack(self) -> None:
-        """Each rank's values of each run in the forms a hand-over uses: a tuple and a dict."""
+        """Each rank's values of each swapped run in the forms a hand-over uses: a tuple and a dict.
+
+        A shared run has none until it is unshared (:meth:`_unshare` packs it then).
+        """
         runs = self._plan.runs
-        self._packed = [[_packed(run, tuple(v[run.start : run.stop])) for run in runs] for v in self.ranks]
+        shared = self._shared
+        self._packed = [
+            [
+                _UNPACKED if known is not None else _packed(run, tuple(v[run.start : run.stop]))
+                for run, known in zip(runs, shared)
+            ]
+            for v in self.ranks
+        ]
         self._index_runs()
 
     def _index_runs(self) -> None:
@@ -620,6 +639,9 @@ class WorldSlots:
 
 # operator.call (3.11+) calls each getter on its namespace from C
 _call: Callable[[Callable[[Any], Any], Any], Any] = getattr(operator, "call", lambda f, x: f(x))
+
+
+_UNPACKED: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a shared run's place in a rank's packs
 
 
 def _packed(run: _ModuleRun, values: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
