@@ -81,3 +81,84 @@ def test_user_fixtures_run_on_every_rank(
     torn = [line for line in log if line.startswith("torn")]
     assert sorted(built) == sorted([f"built on rank {r}" for r in (0, 1)] * builds)
     assert sorted(line.replace("torn down", "built") for line in torn) == sorted(built)
+
+
+AUTOUSE_CONFTEST = """
+import pytest, torch.distributed as dist
+
+@pytest.fixture(params=["cpu"])
+def device(request):
+    return request.param
+
+@pytest.fixture(autouse=True)
+def skip_on_cpu(device):
+    if device == "cpu":
+        pytest.skip("Skip tests on cpu")
+
+@pytest.fixture
+def noted(tmp_path_factory):
+    log = tmp_path_factory.getbasetemp().parent / "log.txt"
+    def note(text):
+        with open(log, "a") as f:
+            f.write(text + "\\n")
+    return note
+"""
+
+# a sub-folder's `device` depends on a per-rank fixture: so do the autouse fixtures above it
+AUTOUSE_SUB_CONFTEST = """
+import pytest, torch.distributed as dist
+
+@pytest.fixture
+def device(rank, request):
+    return request.node.get_closest_marker("device_is").args[0]
+
+@pytest.fixture(autouse=True)
+def note_rank(rank, noted):
+    noted(f"autouse on rank {rank} of {dist.get_world_size()}")
+
+@pytest.fixture
+def used(rank, noted):
+    noted(f"usefixtures on rank {rank}")
+"""
+
+AUTOUSE_TESTS = """
+import pytest, torch.distributed as dist
+
+@pytest.mark.{marker}
+@pytest.mark.device_is("cpu")
+def test_skipped_by_the_autouse_fixture(device):
+    raise AssertionError("skip_on_cpu did not run on this rank")
+
+@pytest.mark.{marker}
+@pytest.mark.device_is("cuda")
+@pytest.mark.usefixtures("used")
+def test_runs_after_the_autouse_fixtures(device):
+    assert device == "cuda"
+"""
+
+
+@pytest.mark.parametrize(
+    ("marker", "args"),
+    [("world(2)", ()), ("multigpu_static", ("--multigpu-static", "--world-size", "2"))],
+    ids=["world-per-test", "static-job"],
+)
+def test_autouse_and_usefixtures_fixtures_that_depend_on_ranks_run_on_every_rank(
+    pytester: pytest.Pytester, marker: str, args: tuple[str, ...]
+) -> None:
+    # PhysicsNeMo's domain_parallel/mesh conftest: `device` overridden by a per-rank fixture
+    # below an autouse `skip_on_cpu(device)`; on torchrun every process runs the autouse one
+    pytester.makeconftest(AUTOUSE_CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    device_is(name): the device the sub-folder's fixture gives\n")
+    sub = pytester.mkpydir("sub")
+    (sub / "conftest.py").write_text(AUTOUSE_SUB_CONFTEST)
+    (sub / "test_autouse.py").write_text(AUTOUSE_TESTS.replace("{marker}", marker))
+    result = pytester.runpytest_subprocess(*args, "-v", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*test_skipped_by_the_autouse_fixture SKIPPED*", "SKIPPED [[]1[]] conftest.py:*: Skip tests on cpu"]
+    )
+    log = (pytester.path / "log.txt").read_text().splitlines()
+    # the skipped test stops at skip_on_cpu, before the sub-folder's autouse fixture
+    assert sorted(log) == sorted(
+        [f"autouse on rank {r} of 2" for r in (0, 1)] + [f"usefixtures on rank {r}" for r in (0, 1)]
+    )
