@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["PerRankState", "WorldSlots", "declare", "declare_accessor", "declared", "per_rank"]
+__all__ = ["PerRankState", "WorldSlots", "declare", "declare_accessor", "declared", "hold", "per_rank"]
 
 _ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
 
@@ -381,6 +381,42 @@ def _callers(caller: Any, rank: int) -> Any:
 def declared(target: object, name: str | None) -> bool:
     """Whether ``target.name`` (or ``target.__dict__`` when ``name`` is None) is declared per rank."""
     return _REGISTRY.declared(target, name)
+
+
+_HOLDS: dict[tuple[int, str], tuple[PerRankState | None, int]] = {}  # what hold() made per rank, holders
+_HOLDS_LOCK = threading.Lock()
+
+
+def hold(owner: object, name: str) -> Callable[[], None]:
+    """Make ``owner.name`` per rank while held (a rank's monkeypatch); returns the release.
+
+    Declared as :func:`declare` declares (ranks start from the caller's value,
+    containers copied) by the first holder, unless it is declared already (it then
+    stays as it was); removed when the last holder releases it. Releasing twice is a no-op.
+    """
+    key = (id(owner), name)
+    with _HOLDS_LOCK:
+        handle, holders = _HOLDS.get(key, (None, 0))
+        if not holders and not declared(owner, name):
+            slot = _Slot(owner, name, None, copy_container)
+            _REGISTRY.add((slot,))
+            handle = PerRankState((slot,))
+        _HOLDS[key] = (handle, holders + 1)
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        with _HOLDS_LOCK:
+            if released:
+                return
+            released = True
+            handle, holders = _HOLDS.pop(key)
+            if holders > 1:
+                _HOLDS[key] = (handle, holders - 1)
+            elif handle is not None:
+                handle.remove()
+
+    return release
 
 
 class WorldSlots:

@@ -18,7 +18,12 @@ from typing import Any
 import pytest
 
 from meshsim._engine.outcomes import decided
-from meshsim._pytest.fixtures import refuse_per_rank_values, with_fixtures_for_ranks
+from meshsim._pytest.fixtures import (
+    rank_monkeypatch,
+    refuse_per_rank_values,
+    release_rank_monkeypatches,
+    with_fixtures_for_ranks,
+)
 from meshsim._pytest.options import WorldSpec, size_of, spec_of
 from meshsim._pytest.state import PluginState, state_of
 
@@ -36,6 +41,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     names = inspect.signature(test).parameters
     funcargs = {name: pyfuncitem.funcargs[name] for name in names if name in pyfuncitem.funcargs}
     if (spec.backend or state.backend) != "spawn":  # spawned ranks get only the body's arguments
+        if "monkeypatch" in funcargs and state.static is None:
+            funcargs["monkeypatch"] = rank_monkeypatch(pyfuncitem)  # what a rank patches is its own
         test, funcargs = with_fixtures_for_ranks(test, pyfuncitem.funcargs, funcargs)
     if state.static is not None:
         # every process gets every rank's ledger; rank 0 alone writes the snapshot file
@@ -43,7 +50,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         state.static.run(test, funcargs, check=check)
         return True
     check = _ledger_checks(pyfuncitem, write=True)
-    ledgers = _run_ranks(pyfuncitem, state, spec, test, funcargs, record=check is not None)
+    try:
+        ledgers = _run_ranks(pyfuncitem, state, spec, test, funcargs, record=check is not None)
+    finally:
+        release_rank_monkeypatches(pyfuncitem)
     if check is not None:
         check([ledger for ledger in ledgers if ledger is not None])
     return True

@@ -162,3 +162,60 @@ def test_autouse_and_usefixtures_fixtures_that_depend_on_ranks_run_on_every_rank
     assert sorted(log) == sorted(
         [f"autouse on rank {r} of 2" for r in (0, 1)] + [f"usefixtures on rank {r}" for r in (0, 1)]
     )
+
+
+MONKEYPATCH_TESTS = """
+import pytest, torch, torch.distributed as dist
+import helpers
+
+@pytest.fixture(autouse=True)
+def rank_factory(rank, monkeypatch):
+    # PhysicsNeMo's mesh suite: a closure over this rank's objects replaces a module's factory
+    monkeypatch.setattr(helpers, "factory", lambda: rank)
+
+@pytest.mark.{marker}
+def test_each_rank_sees_what_it_patched(rank, monkeypatch):
+    monkeypatch.setattr("helpers.value", f"rank {rank}")
+    monkeypatch.delattr(helpers, "doomed")
+    dist.barrier()  # every rank has patched before any checks
+    assert helpers.factory() == rank
+    assert helpers.value == f"rank {rank}"
+    assert not hasattr(helpers, "doomed")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert helpers.factory() == rank and helpers.value == f"rank {rank}"
+"""
+
+AFTER_TESTS = """
+import pytest, helpers
+
+@pytest.mark.{marker}
+def test_the_next_test_s_ranks_see_the_module_as_it_was(rank):
+    assert (helpers.factory(), helpers.value, helpers.doomed) == ("original", "original", "still here")
+
+def test_the_module_is_as_it_was_after_the_ranks():
+    assert helpers.factory() == "original"
+    assert helpers.value == "original"
+    assert helpers.doomed == "still here"
+"""
+
+
+@pytest.mark.parametrize(
+    ("marker", "args"),
+    [("world(2)", ()), ("multigpu_static", ("--multigpu-static", "--world-size", "2"))],
+    ids=["world-per-test", "static-job"],
+)
+def test_what_a_rank_monkeypatches_is_its_own(
+    pytester: pytest.Pytester, marker: str, args: tuple[str, ...]
+) -> None:
+    pytester.makepyfile(helpers="factory = lambda: 'original'\nvalue = 'original'\ndoomed = 'still here'\n")
+    pytester.makepyfile(
+        test_patch=MONKEYPATCH_TESTS.replace("{marker}", marker),
+        test_zz_after=AFTER_TESTS.replace("{marker}", marker),
+    )
+    pytester.syspathinsert()
+    result = pytester.runpytest_subprocess(*args, "-v", "-p", "no:randomly")
+    if marker == "multigpu_static":  # --multigpu-static runs only distributed tests
+        result.assert_outcomes(passed=2, skipped=1)
+    else:
+        result.assert_outcomes(passed=3)
