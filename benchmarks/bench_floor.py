@@ -1,0 +1,374 @@
+"""DTensor programs on N simulated ranks against the floor of the design: N x one rank alone.
+
+Run: ``python benchmarks/bench_floor.py`` (``--quick`` for fewer steps and rounds, ``--rounds N``
+for more rounds where the machine's speed swings, ``--sizes 4 8``, ``--only NAME``).
+
+meshsim runs an SPMD program once per rank, so a world cannot cost less than N times one rank
+whose collectives move nothing. torch's ``FakeProcessGroup`` gives that rank: world size N,
+rank 0, one thread, every collective a no-op. Every cost above N x that rank is meshsim's own
+(hand-overs, per-rank state swaps, the ledger, call sites, findings, data movement).
+
+Columns, per program and world size (milliseconds per step of the program, for the whole world):
+
+- ``meshsim``: ``meshsim.run(body, N, gpu_paths=False)`` (torch's CPU collectives, the same path
+  as every other column), from the first rank's start of the timed steps to the last rank's end
+  (all ranks warmed up and past a barrier before the first starts);
+- ``N x fake``: N times one rank on ``FakeProcessGroup`` (world size N, rank 0), the same program;
+- ``local``: the program once under torch's ``LocalTensorMode`` (every rank's shard in one
+  tensor, one thread), ``-`` where it does not run there (the reason printed below the table);
+- ``threaded``: torch's threaded process group (one thread per rank, run at once under the GIL,
+  torch's ``MultiThreadedTestCase`` machinery);
+- ``ms/fake``, ``ms/local``, ``ms/thr``: meshsim over that column, the median of each round's
+  ratio (the sides measured back to back, their order alternating by round), the range beside.
+
+Programs: 64x64 float32 DTensors on a 1-D mesh of N ranks; ``R->P->R`` goes to Partial as
+torch's own test does (``Redistribute.apply``: ``redistribute`` refuses it); the matmul contracts
+a dimension sharded on both sides and takes the ``full_tensor`` of the Partial result; the FSDP2
+step is forward, backward and SGD of a 3-layer MLP under ``fully_shard``; ``redistribute_cost``
+is a slice of torch's ``test_graph_based_redistribute_cost`` (``_distribute_tensor`` with shard
+orders, ``redistribute_cost`` with the graph-based planner) on a (2, 2, 2) mesh at 8 ranks,
+(2, 2) at 4. A cell that does not run says why below the table.
+
+Every rank and the fake/local runs use one intra-op thread (``torch.set_num_threads(1)``, as
+meshsim's ranks do by default). Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import random
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import meshsim
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning)
+# DTensor logs a warning per rank for CPU all_to_all fallbacks and multi-step plans
+logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+Step = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Program:
+    """One DTensor program: ``setup(world_size)`` runs on a rank (its group up) and returns one step."""
+
+    name: str
+    setup: Callable[[int], Step]
+    steps: int  # timed steps per run (--quick halves it)
+
+
+def _mesh(world_size: int) -> DeviceMesh:
+    with _no_local_mode():
+        return init_device_mesh("cpu", (world_size,))
+
+
+@contextlib.contextmanager
+def _no_local_mode() -> Iterator[None]:
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    with maybe_disable_local_tensor_mode():
+        yield
+
+
+def _sharded(world_size: int, placements: list[Any], rows: int = 64, cols: int = 64) -> DTensor:
+    mesh = _mesh(world_size)
+    torch.manual_seed(0)
+    return distribute_tensor(torch.randn(rows, cols), mesh, placements)
+
+
+def _s0_to_r(ws: int) -> Step:
+    x = _sharded(ws, [Shard(0)])
+    return lambda: x.redistribute(x.device_mesh, [Replicate()])
+
+
+def _s0_to_s1(ws: int) -> Step:
+    x = _sharded(ws, [Shard(0)])
+    return lambda: x.redistribute(x.device_mesh, [Shard(1)])
+
+
+def _r_p_r(ws: int) -> Step:
+    x = _sharded(ws, [Replicate()])
+    mesh = x.device_mesh
+    from torch.distributed.tensor._redistribute import Redistribute  # R->P is internal (as torch's test)
+
+    f32 = torch.float32
+    config = {"op_dtype": f32, "out_dtype": f32, "backward_options": {"op_dtype": f32, "out_dtype": f32}}
+    return lambda: Redistribute.apply(x, mesh, (Partial(),), False, config).redistribute(mesh, [Replicate()])
+
+
+def _mul(ws: int) -> Step:
+    x = _sharded(ws, [Shard(0)])
+    y = _sharded(ws, [Shard(0)])
+    return lambda: x * y
+
+
+def _sum_full(ws: int) -> Step:
+    x = _sharded(ws, [Shard(0)])
+    return lambda: x.sum(0).full_tensor()
+
+
+def _matmul(ws: int) -> Step:
+    a = _sharded(ws, [Shard(1)])
+    b = _sharded(ws, [Shard(0)])
+    return lambda: (a @ b).full_tensor()
+
+
+def _fsdp(ws: int) -> Step:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _redistribute_cost(ws: int) -> Step:
+    """A slice of torch's ``test_graph_based_redistribute_cost``: mesh (2,2,2) at 8 ranks, (2,2) at 4."""
+    from torch.distributed.tensor._collective_utils import redistribute_cost
+    from torch.distributed.tensor._redistribute import use_min_cost_redistribution_plan
+    from torch.testing._internal.distributed._tensor.common_dtensor import (
+        generate_shard_orders,
+        patched_distribute_tensor,
+    )
+
+    shape = (2, 2, 2) if ws == 8 else (2,) * (ws.bit_length() - 1)
+    with _no_local_mode():
+        mesh = init_device_mesh("cpu", shape)
+    torch.manual_seed(21)
+    data = torch.randn(16, 8)
+    with _no_local_mode():
+        orders = list(generate_shard_orders(mesh, data.ndim))
+    random.Random(42).shuffle(orders)
+    src_order, dst_order, *others = orders[:4]
+
+    def step() -> None:
+        with use_min_cost_redistribution_plan(enabled=True):
+            src = patched_distribute_tensor(data.clone(), mesh, None, src_order)
+            dst = patched_distribute_tensor(data.clone(), mesh, None, dst_order)
+            redistribute_cost(src._spec, dst._spec)
+            for order in others:
+                mid = patched_distribute_tensor(data.clone(), mesh, None, order)
+                redistribute_cost(src._spec, mid._spec)
+                redistribute_cost(mid._spec, dst._spec)
+
+    return step
+
+
+PROGRAMS = [
+    Program("S(0)->R", _s0_to_r, 200),
+    Program("S(0)->S(1)", _s0_to_s1, 200),
+    Program("R->P->R", _r_p_r, 100),
+    Program("x*y (S(0))", _mul, 400),
+    Program("x.sum(0).full_tensor()", _sum_full, 200),
+    Program("matmul, sharded k", _matmul, 100),
+    Program("FSDP2 step, MLP", _fsdp, 20),
+    Program("redistribute_cost", _redistribute_cost, 5),
+]
+
+
+def _timed(step: Step, steps: int) -> tuple[float, float]:
+    step()  # warm-up: caches, first-use imports
+    return _loop(step, steps)
+
+
+def _loop(step: Step, steps: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return start, time.perf_counter()
+
+
+# -- the runners: each returns the world's seconds for ``steps`` steps --
+
+
+def run_meshsim(program: Program, ws: int, steps: int) -> float:
+    def body() -> tuple[float, float]:
+        step = program.setup(ws)
+        step()
+        dist.barrier()
+        return _loop(step, steps)
+
+    spans = meshsim.run(body, ws, gpu_paths=False, timeout=300)
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+@contextlib.contextmanager
+def _fake_group(ws: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(saved)
+
+
+def run_fake(program: Program, ws: int, steps: int) -> float:
+    with _fake_group(ws):
+        start, end = _timed(program.setup(ws), steps)
+    return ws * (end - start)
+
+
+def run_local(program: Program, ws: int, steps: int) -> float:
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with _fake_group(ws), LocalTensorMode(frozenset(range(ws))):
+        start, end = _timed(program.setup(ws), steps)
+    return end - start
+
+
+def run_threaded(program: Program, ws: int, steps: int) -> float:
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * ws
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            torch.set_num_threads(1)
+            dist.init_process_group("threaded", rank=rank, world_size=ws, store=store)
+            step = program.setup(ws)
+            step()
+            dist.barrier()
+            spans[rank] = _loop(step, steps)
+            dist.barrier()
+            dist.destroy_process_group()
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ws)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        mtpg.ProcessLocalGroup.reset()
+        mtpg._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+RUNNERS: dict[str, Callable[[Program, int, int], float]] = {
+    "meshsim": run_meshsim,
+    "N x fake": run_fake,
+    "local": run_local,
+    "threaded": run_threaded,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="half the steps, 3 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds to take medians over (default 5)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8], help="world sizes (default 4 8)")
+    parser.add_argument("--only", nargs="+", default=None, help="programs whose name starts so")
+    parser.add_argument("--sides", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    args = parser.parse_args()
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
+    programs = [p for p in PROGRAMS if args.only is None or any(p.name.startswith(o) for o in args.only)]
+    sides = list(args.sides)
+    table: dict[tuple[str, int, str], list[float]] = {}
+    skipped: dict[tuple[str, int, str], str] = {}
+    for round_ in range(rounds):
+        order = sides if round_ % 2 == 0 else sides[::-1]
+        for ws in args.sizes:
+            for program in programs:
+                steps = max(1, program.steps // 2) if args.quick else program.steps
+                for side in order:
+                    key = (program.name, ws, side)
+                    if key in skipped:
+                        continue
+                    try:
+                        seconds = RUNNERS[side](program, ws, steps)
+                    except Exception as exc:  # a cell that cannot run is reported below the table
+                        skipped[key] = _why(exc)
+                        continue
+                    table.setdefault(key, []).append(seconds / steps)
+    _print(table, skipped, programs, args.sizes, sides, rounds)
+
+
+def _why(exc: BaseException) -> str:
+    """One line on why a cell did not run: the rank's own exception where meshsim wraps it."""
+    cause = exc.__cause__ if isinstance(exc, meshsim.RankError) and exc.__cause__ is not None else exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0][:120] if text else ''}"
+
+
+def _print(
+    table: dict[tuple[str, int, str], list[float]],
+    skipped: dict[tuple[str, int, str], str],
+    programs: list[Program],
+    sizes: list[int],
+    sides: list[str],
+    rounds: int,
+) -> None:
+    print(
+        f"milliseconds per step for the whole world, medians over {rounds} rounds; ms/X: meshsim over X,\n"
+        "the median of the rounds' ratios (range over rounds); - : did not run (reasons below)"
+    )
+    ratio_sides = [s for s in ("N x fake", "local", "threaded") if s in sides and "meshsim" in sides]
+    short = {"N x fake": "ms/fake", "local": "ms/local", "threaded": "ms/thr"}
+    header = f"{'program':24} {'ws':>3} " + " ".join(f"{s:>9}" for s in sides)
+    header += "".join(f" {short[s]:>8} {'range':>11}" for s in ratio_sides)
+    print(header)
+    print("-" * len(header))
+    for program in programs:
+        for ws in sizes:
+            cells = []
+            for side in sides:
+                values = table.get((program.name, ws, side))
+                cells.append(f"{statistics.median(values) * 1e3:9.3f}" if values else f"{'-':>9}")
+            line = f"{program.name:24} {ws:>3} " + " ".join(cells)
+            mine = table.get((program.name, ws, "meshsim"))
+            for side in ratio_sides:
+                other = table.get((program.name, ws, side))
+                if not mine or not other or len(mine) != len(other):
+                    line += f" {'-':>8} {'':>11}"
+                    continue
+                ratios = [m / o for m, o in zip(mine, other)]
+                line += f" {statistics.median(ratios):7.2f}x {min(ratios):5.2f}-{max(ratios):<5.2f}"
+            print(line)
+    if skipped:
+        print("\nnot run:")
+        for (name, ws, side), why in sorted(skipped.items()):
+            print(f"  {name} at {ws}, {side}: {why}")
+
+
+if __name__ == "__main__":
+    main()
