@@ -6,6 +6,12 @@ avoids cross-CPU wake-ups at every hand-over and keeps torch's per-thread state
 warm in one cache. ``sched_getcpu`` (libc, through ctypes) says which CPU the
 caller is on; where the platform cannot tell or set affinities, nothing is pinned.
 ``benchmarks/bench_tricks.py`` measures pinned worlds against unpinned ones.
+
+One CPU is a bet that nothing else wants it. Two pinned worlds (two pytest-xdist
+workers, two test processes) that chose the same CPU, or a busy process already
+on it, would share it for as long as the worlds last and each run several times
+slower, while other CPUs idle. :class:`Starvation` notices: a world whose process
+got well under one CPU over a second gives up its pinning and lets the OS place it.
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import cast
 
-__all__ = ["affinity", "current_cpu", "may_run_on", "pin", "unpin"]
+__all__ = ["Starvation", "affinity", "current_cpu", "may_run_on", "move", "pin", "unpin"]
+
+STARVED_SHARE = 0.6  # of one CPU: a serialized world that computes gets nearly all of one
+WINDOW = 1.0  # seconds of wall time each share is measured over
 
 
 def pin(cpu: int | None, allowed: frozenset[int] | None) -> bool:
@@ -35,6 +45,44 @@ def unpin(allowed: frozenset[int] | None) -> None:
     """Let the calling thread run on ``allowed`` again."""
     if allowed is not None:
         os.sched_setaffinity(0, allowed)
+
+
+def move(native_id: int | None, cpus: frozenset[int]) -> None:
+    """Let another thread (by its native id) run on ``cpus``; a thread that ended is left alone."""
+    if native_id is None:
+        return
+    try:
+        os.sched_setaffinity(native_id, cpus)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Starvation:
+    """Whether this process got its CPU: the CPU time all its threads used over each :data:`WINDOW`.
+
+    A pinned world computes on one CPU, so its process uses nearly all of that CPU;
+    under :data:`STARVED_SHARE` something else runs there (or the ranks sleep or
+    wait on I/O, where unpinning costs nothing either).
+    """
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """Measure from now (a world's call starts: the caller's own time before it does not count)."""
+        self._wall = time.monotonic()
+        self._cpu = time.process_time()
+
+    def starved(self) -> bool:
+        """Whether the window that ended now (at least :data:`WINDOW` long) got under the share."""
+        wall = time.monotonic()
+        span = wall - self._wall
+        if span < WINDOW:
+            return False
+        cpu = time.process_time()
+        share = (cpu - self._cpu) / span
+        self._wall, self._cpu = wall, cpu
+        return share < STARVED_SHARE
 
 
 def affinity() -> frozenset[int] | None:

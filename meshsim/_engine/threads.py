@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from meshsim._baton.doorbell import Doorbell, EventBell, LockBell, eventfd_budget
+from meshsim._engine import affinity
 
 __all__ = ["Countdown", "Worker", "end_idle_threads", "give_back", "idle_count", "take", "thread_fingerprint"]
 
@@ -111,6 +112,11 @@ class Worker:
         if cpus is not None and cpus != self.cpus:
             os.sched_setaffinity(0, cpus)
             self.cpus = cpus
+
+    def move(self, cpus: frozenset[int]) -> None:
+        """Run on ``cpus`` from now on (call from another thread: the world's supervisor)."""
+        affinity.move(self.thread.native_id, cpus)
+        self.cpus = cpus
 
     def retire(self, timeout: float) -> bool:
         """Make an idle (or finished) worker exit; whether its thread ended within ``timeout``."""

@@ -273,8 +273,10 @@ class World:
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
         # parsed now, so a bad value fails before any thread starts
-        self.cuda = _cuda.from_environment(world_size) if cuda is None else _cuda.parse(
-            cuda, devices=_cuda.devices_wanted(world_size)
+        self.cuda = (
+            _cuda.from_environment(world_size)
+            if cuda is None
+            else _cuda.parse(cuda, devices=_cuda.devices_wanted(world_size))
         )
         self.world_size = world_size
         self.timeout = timeout
@@ -300,6 +302,7 @@ class World:
         self.cpus: frozenset[int] | None = None  # where rank threads run
         self._allowed: frozenset[int] | None = None  # the caller's CPUs
         self._pinnings = 0  # nested _Pinning blocks open: the outermost pins and unpins
+        self._starvation = _affinity.Starvation()  # whether the pinned world gets its CPU
         self._saved: ProcessState | None = None  # the caller's state as the last call began
         self._leaks: LeakCheck | None = None
         self._posts: list[_Post] = []
@@ -447,6 +450,8 @@ class World:
                 return
             scheduler.check_timeout(self.timeout)
             nudged = _nudge_every_second(scheduler, nudged)
+            if self.cpu is not None and self._starvation.starved():
+                self._unpin()
 
     def outcome(self) -> list[Any]:
         """Each rank's result of the last call, or raise what made the world fail."""
@@ -467,6 +472,16 @@ class World:
     def pinned(self) -> _Pinning:
         """The caller on the ranks' CPU for the block; nested blocks pin once (a run's start to close)."""
         return _Pinning(self)
+
+    def _unpin(self) -> None:
+        """Let the OS place the world's threads: its CPU is shared with something else (see affinity)."""
+        allowed = self._allowed
+        if allowed is None:
+            return
+        self.cpu, self.cpus = None, allowed  # rank threads that start from now on
+        for worker in self.workers:
+            worker.move(allowed)
+        _affinity.unpin(allowed)  # the caller
 
     def _place(self) -> frozenset[int] | None:
         """Choose the CPU(s) rank threads run on; returns the caller's."""
@@ -767,6 +782,7 @@ class _Pinning:
         if world._allowed is None and world.cpus is None:
             world._allowed = world._place()
         self.pinned = _affinity.pin(world.cpu, world._allowed)
+        world._starvation.restart()
 
     def __exit__(self, *exc_info: object) -> None:
         self.world._pinnings -= 1

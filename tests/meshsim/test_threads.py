@@ -267,3 +267,26 @@ def test_fake_tensor_mode_works_after_the_threads_that_first_entered_it_ended() 
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[(3, 2), (3, 2)]"
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to choose from",
+)
+def test_a_pinned_world_whose_process_gets_too_little_cpu_lets_the_os_place_its_threads() -> None:
+    # A serialized world runs on one CPU. If its process then gets well under one CPU over a
+    # second (another process pinned there, or, as here, a rank that does not compute), the
+    # world gives the pinning up: every rank thread may run on the caller's CPUs again.
+    caller = os.sched_getaffinity(0)
+
+    def body() -> tuple[set[int], set[int]]:
+        pinned = os.sched_getaffinity(0)
+        dist.barrier()  # every rank has looked before rank 0 sleeps
+        if dist.get_rank() == 0:
+            time.sleep(2.5)  # no CPU for longer than the world's one-second window
+        dist.barrier()
+        return pinned, os.sched_getaffinity(0)
+
+    results = meshsim.run(body, 2)
+    assert [len(pinned) for pinned, _ in results] == [1, 1]
+    assert [after for _, after in results] == [caller, caller]
