@@ -18,12 +18,8 @@ from typing import Any
 import pytest
 
 from meshsim._engine.outcomes import decided
-from meshsim._pytest.fixtures import (
-    rank_monkeypatch,
-    refuse_per_rank_values,
-    release_rank_monkeypatches,
-    with_fixtures_for_ranks,
-)
+from meshsim._pytest.fixtures import refuse_per_rank_values, with_fixtures_for_ranks
+from meshsim._pytest.monkeypatch import rank_monkeypatch, release_rank_monkeypatches
 from meshsim._pytest.options import WorldSpec, size_of, spec_of
 from meshsim._pytest.state import PluginState, state_of
 
