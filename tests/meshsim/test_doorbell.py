@@ -179,9 +179,24 @@ def test_a_store_write_lets_the_ranks_waiting_for_its_key_run_before_it_returns(
 # -- which doorbell a rank thread gets ------------------------------------------------------
 
 
+def _no_rank_threads_left() -> None:
+    """End the idle rank threads, and wait for the ones failed worlds left behind.
+
+    A rank thread that an earlier world could not stop (stuck in C code: an earlier
+    test's rank in ``Event.wait(5)``) keeps its doorbell, an eventfd that counts
+    against the budget, until its job returns; the tests below count rank threads
+    and eventfds, so they start without any.
+    """
+    meshsim.end_idle_threads()  # idle threads' eventfds count against the budget
+    for thread in threading.enumerate():
+        if thread.name.startswith(("meshsim-rank-", "meshsim-idle")):
+            thread.join(LONG)
+            assert not thread.is_alive(), f"a rank thread an earlier world left is still running: {thread}"
+
+
 def _new_threads_bells(count: int) -> list[type]:
     """The doorbell kinds of ``count`` new rank threads (never started, then retired)."""
-    meshsim.end_idle_threads()  # idle threads' eventfds count against the budget
+    _no_rank_threads_left()
     workers, fresh = _threads.take(count)
     assert fresh == workers
     kinds = [type(w.bell) for w in workers]
@@ -250,7 +265,7 @@ def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None
                 pass  # the listing's own descriptor
         return links.count("anon_inode:[eventfd]")
 
-    meshsim.end_idle_threads()  # they keep their doorbells
+    _no_rank_threads_left()  # they keep their doorbells
     gc.collect()
     before = eventfds()
     with pytest.raises(meshsim.DeadlockError) as info:
