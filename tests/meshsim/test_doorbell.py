@@ -231,6 +231,39 @@ def test_running_out_of_descriptors_falls_back_to_locks(monkeypatch: pytest.Monk
             os.fstat(fd)
 
 
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
+def test_a_rank_thread_that_outlives_its_retire_timeout_closes_its_doorbell_when_it_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed world retires its finished rank threads with a short grace (1 s); one that a
+    loaded machine kept from ending in time must still close its eventfd when it does end,
+    or the descriptor and its place in the budget were lost for good."""
+    made: list[int] = []
+    real = os.eventfd
+
+    def recorded(initval: int, flags: int = os.EFD_CLOEXEC) -> int:
+        made.append(real(initval, flags))
+        return made[-1]
+
+    _no_rank_threads_left()
+    monkeypatch.setattr(os, "eventfd", recorded)
+    monkeypatch.setattr(_doorbell, "_fd_limit", lambda: 1 << 16)
+    (worker,), fresh = _threads.take(1)
+    assert fresh == [worker] and isinstance(worker.bell, EventBell) and len(made) == 1
+    started, release = threading.Event(), threading.Event()
+    worker.assign(lambda: (started.set(), release.wait(LONG)), _threads.Countdown(1), "meshsim-rank-0")
+    worker.thread.start()
+    assert started.wait(LONG)
+    assert worker.retire(0.01) is False  # still in its job: the grace ran out
+    os.fstat(made[0])  # open while the thread runs
+    release.set()
+    worker.thread.join(LONG)
+    assert not worker.thread.is_alive()
+    with pytest.raises(OSError):
+        os.fstat(made[0])
+    assert _threads._EVENTFDS[0] == 0  # its place in the budget is free again
+
+
 @pytest.mark.parametrize(("fd_limit", "kind"), [(1 << 16, EventBell), (0, LockBell)], ids=["eventfd", "lock"])
 def test_worlds_run_the_same_on_either_doorbell(
     monkeypatch: pytest.MonkeyPatch, fd_limit: int, kind: type
