@@ -96,8 +96,12 @@ class Worker:
         self.idle_since = 0.0  # when it last went back to the pool
         self._job: Callable[[], None] | None = None
         self._countdown: Countdown | None = None
-        self._retire = False  # exit; whoever set it joins the thread and closes the bell
-        self._abandon = False  # exit when the job ends, closing the bell (nobody waits)
+        self._retire = False  # exit; whoever set it joins the thread
+        self._abandon = False  # exit when the job ends (nobody waits)
+        # A started thread closes its own bell on its way out, whoever made it exit: a
+        # retire() whose join timed out (a loaded machine) must not lose the descriptor.
+        self._bell_lock = threading.Lock()
+        self._bell_closed = False
         self.thread = threading.Thread(target=self._loop, name=_IDLE_NAME, daemon=True)
 
     def assign(self, job: Callable[[], None], countdown: Countdown, name: str) -> None:
@@ -119,28 +123,42 @@ class Worker:
         self.cpus = cpus
 
     def retire(self, timeout: float) -> bool:
-        """Make an idle (or finished) worker exit; whether its thread ended within ``timeout``."""
+        """Make an idle (or finished) worker exit; whether its thread ended within ``timeout``.
+
+        Its doorbell is closed by then; if the thread ends later, it closes it then.
+        """
         self._retire = True
         if self.thread.ident is None:  # never started (its world failed to start)
-            self.bell.close()
+            self.close_bell()
             return True
-        self.bell.ring()
+        self._ring()
         self.thread.join(timeout)
-        if self.thread.is_alive():
-            return False
-        self.bell.close()
-        return True
+        return not self.thread.is_alive()
 
     def expire(self) -> None:
         """Make an idle worker, already out of the pool, exit and close its doorbell."""
         self._abandon = True
-        self.bell.ring()
+        self._ring()
 
     def abandon(self) -> None:
         """Leave a worker stuck in its job: it exits, closing its doorbell, if the job ever ends."""
         self._abandon = True
         if self.thread.ident is None:  # never started: nothing will close it
-            self.bell.close()
+            self.close_bell()
+
+    def close_bell(self) -> None:
+        """Close the doorbell, once (the thread's exit and a forked child's pool both may)."""
+        with self._bell_lock:
+            if self._bell_closed:
+                return
+            self._bell_closed = True
+        self.bell.close()
+
+    def _ring(self) -> None:
+        """Ring the doorbell unless the thread closed it already (an eventfd's number may be reused)."""
+        with self._bell_lock:
+            if not self._bell_closed:
+                self.bell.ring()
 
     def _loop(self) -> None:
         new = thread_fingerprint()
@@ -154,8 +172,7 @@ class Worker:
                 self.bell.park()
                 continue
             self._run(job, new)
-        if self._abandon:
-            self.bell.close()
+        self.close_bell()
 
     def _run(self, job: Callable[[], None], new: tuple[object, ...]) -> None:
         countdown = self._countdown
@@ -268,7 +285,7 @@ class _Pool:
         self._reaper = None  # it did not survive the fork either
         idle, self._idle = self._idle, []
         for worker in idle:
-            worker.bell.close()
+            worker.close_bell()
 
 
 _POOL = _Pool()

@@ -179,9 +179,24 @@ def test_a_store_write_lets_the_ranks_waiting_for_its_key_run_before_it_returns(
 # -- which doorbell a rank thread gets ------------------------------------------------------
 
 
+def _no_rank_threads_left() -> None:
+    """End the idle rank threads, and wait for the ones failed worlds left behind.
+
+    A rank thread that an earlier world could not stop (stuck in C code: an earlier
+    test's rank in ``Event.wait(5)``) keeps its doorbell, an eventfd that counts
+    against the budget, until its job returns; the tests below count rank threads
+    and eventfds, so they start without any.
+    """
+    meshsim.end_idle_threads()  # idle threads' eventfds count against the budget
+    for thread in threading.enumerate():
+        if thread.name.startswith(("meshsim-rank-", "meshsim-idle")):
+            thread.join(LONG)
+            assert not thread.is_alive(), f"a rank thread an earlier world left is still running: {thread}"
+
+
 def _new_threads_bells(count: int) -> list[type]:
     """The doorbell kinds of ``count`` new rank threads (never started, then retired)."""
-    meshsim.end_idle_threads()  # idle threads' eventfds count against the budget
+    _no_rank_threads_left()
     workers, fresh = _threads.take(count)
     assert fresh == workers
     kinds = [type(w.bell) for w in workers]
@@ -214,6 +229,39 @@ def test_running_out_of_descriptors_falls_back_to_locks(monkeypatch: pytest.Monk
     for fd in made:  # retiring a thread closes its doorbell
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
+def test_a_rank_thread_that_outlives_its_retire_timeout_closes_its_doorbell_when_it_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed world retires its finished rank threads with a short grace (1 s); one that a
+    loaded machine kept from ending in time must still close its eventfd when it does end,
+    or the descriptor and its place in the budget were lost for good."""
+    made: list[int] = []
+    real = os.eventfd
+
+    def recorded(initval: int, flags: int = os.EFD_CLOEXEC) -> int:
+        made.append(real(initval, flags))
+        return made[-1]
+
+    _no_rank_threads_left()
+    monkeypatch.setattr(os, "eventfd", recorded)
+    monkeypatch.setattr(_doorbell, "_fd_limit", lambda: 1 << 16)
+    (worker,), fresh = _threads.take(1)
+    assert fresh == [worker] and isinstance(worker.bell, EventBell) and len(made) == 1
+    started, release = threading.Event(), threading.Event()
+    worker.assign(lambda: (started.set(), release.wait(LONG)), _threads.Countdown(1), "meshsim-rank-0")
+    worker.thread.start()
+    assert started.wait(LONG)
+    assert worker.retire(0.01) is False  # still in its job: the grace ran out
+    os.fstat(made[0])  # open while the thread runs
+    release.set()
+    worker.thread.join(LONG)
+    assert not worker.thread.is_alive()
+    with pytest.raises(OSError):
+        os.fstat(made[0])
+    assert _threads._EVENTFDS[0] == 0  # its place in the budget is free again
 
 
 @pytest.mark.parametrize(("fd_limit", "kind"), [(1 << 16, EventBell), (0, LockBell)], ids=["eventfd", "lock"])
@@ -250,7 +298,7 @@ def test_a_rank_left_stuck_in_c_code_keeps_its_doorbells_until_it_ends() -> None
                 pass  # the listing's own descriptor
         return links.count("anon_inode:[eventfd]")
 
-    meshsim.end_idle_threads()  # they keep their doorbells
+    _no_rank_threads_left()  # they keep their doorbells
     gc.collect()
     before = eventfds()
     with pytest.raises(meshsim.DeadlockError) as info:

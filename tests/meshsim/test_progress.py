@@ -65,9 +65,11 @@ def test_a_rank_spinning_forever_is_reported_after_the_run_limit() -> None:
 def test_a_rank_blocked_on_a_lock_is_reported_after_the_timeout() -> None:
     held = threading.Lock()
     held.acquire()
+    blocked: list[threading.Thread] = []
 
     def body() -> None:
         if dist.get_rank() == 0:
+            blocked.append(threading.current_thread())
             held.acquire()  # blocks: nobody releases it while the world runs
             held.release()
         dist.barrier()
@@ -77,6 +79,9 @@ def test_a_rank_blocked_on_a_lock_is_reported_after_the_timeout() -> None:
             meshsim.run(body, 2, timeout=TIMEOUT)
     finally:
         held.release()  # the rank's thread goes on, and leaves at its next collective
+        for thread in blocked:  # gone before the next test counts threads or descriptors
+            thread.join(30)
+    assert not any(thread.is_alive() for thread in blocked)
     error = info.value
     assert error.timed_out and error.ranks == (0,)
     assert error.states[0] == "running its own code"

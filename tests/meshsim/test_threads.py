@@ -23,8 +23,13 @@ VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset"
 
 @pytest.fixture(autouse=True)
 def no_idle_threads() -> Iterator[None]:
-    """Each test starts and ends with no idle rank thread."""
+    """Each test starts and ends with no idle rank thread, and starts with none that a failed
+    world left stuck in C code (an earlier test's, still in its job: they end when it returns)."""
     meshsim.end_idle_threads()
+    for thread in threading.enumerate():
+        if thread.name.startswith(("meshsim-rank-", "meshsim-idle")):
+            thread.join(30.0)
+            assert not thread.is_alive(), f"a rank thread an earlier world left is still running: {thread}"
     yield
     meshsim.end_idle_threads()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -175,17 +176,25 @@ def test_a_mismatch_is_an_error_on_the_track_of_the_rank_that_found_it(tmp_path:
 
 
 def test_a_world_that_times_out_gets_the_error_on_the_process(tmp_path: Path) -> None:
+    release = threading.Event()
+    stuck: list[threading.Thread] = []
+
     def body() -> None:  # rank 1 stuck in its own code while rank 0 waits for it
         if dist.get_rank() == 1:
-            import threading
-
-            threading.Event().wait(5)  # stuck outside any collective; interrupted at the end
+            stuck.append(threading.current_thread())
+            release.wait(30)  # stuck outside any collective, in C: left as a daemon thread
         else:
             dist.barrier()
 
     path = tmp_path / "timeout.json"
-    with pytest.raises(meshsim.DeadlockError):
-        meshsim.run(body, 2, trace=path, timeout=0.2)
+    try:
+        with pytest.raises(meshsim.DeadlockError):
+            meshsim.run(body, 2, trace=path, timeout=0.2)
+    finally:  # let the stuck rank go, so that no later test finds its thread (or its doorbell)
+        release.set()
+        for thread in stuck:
+            thread.join(30)
+    assert not any(thread.is_alive() for thread in stuck)
     errors = [e for e in _load(path) if e.get("cat") == "error"]
     assert [(e["s"], "tid" in e) for e in errors] == [("p", False)]
     assert errors[0]["args"]["error"].startswith("DeadlockError: ")
