@@ -305,6 +305,13 @@ class Scheduler:
                 if ident is not None and state == _RUNNING
             ]
 
+    def running_cpu(self) -> float | None:
+        """The CPU seconds the ranks running their own code have used in all (None: cannot tell)."""
+        if _CPU_CLOCKS is None:
+            return None
+        times = [_cpu_time(ident) for ident in self.running_idents()]
+        return sum(t for t in times if t is not None)
+
     def check_timeout(self, timeout: float) -> bool:
         """Fail the world if it made no progress for ``timeout`` s while a rank waits.
 

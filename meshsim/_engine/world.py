@@ -61,6 +61,7 @@ __all__ = ["World", "run", "run_ranks"]
 BACKENDS = ("sim", "gloo")
 _STOP_GRACE = 1.0  # seconds a stopped world waits for rank threads still running user code
 _INTERRUPT_AFTER = 0.05  # seconds before interrupting them: most leave at their next collective
+_STILL_COMPUTING = 0.01  # CPU seconds over a grace that show a rank still runs Python
 
 
 def run(
@@ -622,13 +623,24 @@ class World:
         """Wait for every rank's job; after an abort, interrupt ranks still running user code."""
         start = nudged = time.monotonic()
         interrupted: set[int] = set()
+        give_up: float | None = None
+        cpu = None  # the running ranks' CPU time when the grace began
         while not self.jobs.wait(0.01):
             nudged = _nudge_every_second(self.scheduler, nudged)
             if self.scheduler.error is None:
                 continue
             now = time.monotonic()
-            if now > self.kind.give_up_at(start, self.timeout):
-                break
+            if give_up is None:
+                give_up = self.kind.give_up_at(start, self.timeout)
+                cpu = self.scheduler.running_cpu()
+            if now > give_up:
+                # A rank that computed during the grace runs Python and will take the
+                # interrupt once it gets the CPU (a loaded machine starves it): give it
+                # another grace, up to the world's timeout. One blocked in C is left.
+                used = self.scheduler.running_cpu()
+                if cpu is None or used is None or used - cpu < _STILL_COMPUTING or now > start + self.timeout:
+                    break
+                give_up, cpu = now + _STOP_GRACE, used
             if now - start > _INTERRUPT_AFTER:
                 interrupted -= _patches.take_swallowed_interrupts()
                 interrupt(self.scheduler.running_idents(), interrupted)
