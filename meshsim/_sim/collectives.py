@@ -604,8 +604,9 @@ class AllGatherIntoTensor(Description):
     @_no_grad
     def execute(payloads: Sequence[AllGatherIntoTensor]) -> None:
         for j in range(len(payloads[0].inputs)):
-            flat = mv.all_gather_flat([p.inputs[j] for p in payloads])
-            _write_all([p.outputs[j] for p in payloads], flat)
+            inputs = [p.inputs[j] for p in payloads]  # one shape on every rank: the signatures matched
+            gathered = mv.all_gather_rows(inputs) if inputs[0].dim() else mv.all_gather_flat(inputs)
+            _write_all([p.outputs[j] for p in payloads], gathered)
 
 
 def _gather_compat(payloads: Sequence[Gather]) -> list[mv.Problem]:
