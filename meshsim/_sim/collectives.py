@@ -89,7 +89,7 @@ def copy_to_all(outs: Sequence[Tensor], value: Tensor) -> None:
     """:func:`write` ``value`` into every tensor of ``outs`` (all of ``value``'s shape, dtype and device)."""
     outs = tuple(outs)
     try:
-        versions = tuple(out._version for out in outs)
+        versions = tuple([out._version for out in outs])  # a list first: no generator per call
     except RuntimeError:  # an output without a counter: each written on its own
         for out in outs:
             write(out, value)
