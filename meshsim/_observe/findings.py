@@ -99,9 +99,13 @@ class Findings(Instrument):
         group = slot.group
         if group.size < 2:  # a group of one rank: its collectives are local copies on NCCL too
             return
+        if not (self.looking or self.sinks):  # then only a recording rank's call is looked at
+            for call in slot.calls:
+                if call is not None and call.entry is not None:
+                    break
+            else:
+                return
         calls = [c for c in slot.calls if c is not None]
-        if not (self.looking or self.sinks or any(c.entry is not None for c in calls)):
-            return
         repeats = self._repeats.get(group.name)
         if repeats is None:
             repeats = self._repeats[group.name] = Repeats()

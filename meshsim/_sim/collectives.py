@@ -89,7 +89,7 @@ def copy_to_all(outs: Sequence[Tensor], value: Tensor) -> None:
     """:func:`write` ``value`` into every tensor of ``outs`` (all of ``value``'s shape, dtype and device)."""
     outs = tuple(outs)
     try:
-        versions = tuple(out._version for out in outs)
+        versions = tuple([out._version for out in outs])  # a list first: no generator per call
     except RuntimeError:  # an output without a counter: each written on its own
         for out in outs:
             write(out, value)
@@ -193,39 +193,30 @@ def dtype_of(tensors: Sequence[Tensor]) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def _no_grad(*fields: str) -> Callable[[Callable[[Sequence[Any]], None]], Callable[[Sequence[Any]], None]]:
+# autograd's mode switched by its C function itself: torch.set_grad_enabled builds a Python
+# object around the same call, and this runs once per collective (checked in torch 2.11-2.15)
+_SET_GRAD_ENABLED: Callable[[bool], None] = torch._C._set_grad_enabled
+
+
+def _no_grad(execute: Callable[[Sequence[Any]], None]) -> Callable[[Sequence[Any]], None]:
     """Run the decorated ``execute`` with autograd off.
 
-    ``fields``: the payload fields holding every tensor the executor reads or writes.
-    When none of them requires grad, autograd records nothing anyway and its mode
-    is left alone (switching it costs more than the check, and this runs once per
-    collective). Without fields the mode is always switched off.
+    Switching the mode costs less than asking every rank's tensors whether one
+    requires grad (two C calls against a loop over the ranks).
     """
 
-    def decorate(execute: Callable[[Sequence[Any]], None]) -> Callable[[Sequence[Any]], None]:
-        @functools.wraps(execute)
-        def wrapper(payloads: Sequence[Any]) -> None:
-            if torch.is_grad_enabled() and (not fields or _requires_grad(payloads, fields)):
-                torch.set_grad_enabled(False)
-                try:
-                    execute(payloads)
-                finally:
-                    torch.set_grad_enabled(True)
-                return
-            execute(payloads)
+    @functools.wraps(execute)
+    def wrapper(payloads: Sequence[Any]) -> None:
+        if torch.is_grad_enabled():
+            _SET_GRAD_ENABLED(False)
+            try:
+                execute(payloads)
+            finally:
+                _SET_GRAD_ENABLED(True)
+            return
+        execute(payloads)
 
-        return wrapper
-
-    return decorate
-
-
-def _requires_grad(payloads: Sequence[Any], fields: tuple[str, ...]) -> bool:
-    for payload in payloads:  # plain loops, no generators: this runs once per collective
-        for name in fields:
-            for t in getattr(payload, name):
-                if t.requires_grad:
-                    return True
-    return False
+    return wrapper
 
 
 def _write(out: Tensor, value: Tensor) -> None:
@@ -237,13 +228,11 @@ def _write_all(outs: Sequence[Tensor], value: Tensor) -> None:
     """Copy ``value`` into every tensor of ``outs``, which all have one shape and dtype.
 
     The ranks' signatures were compared before any data moves, so the first
-    output's shape and dtype stand for all of them.
+    output's shape and dtype stand for all of them: ``value`` is reshaped once, not
+    once per rank (a gathered flat result into 2-D outputs, DTensor's case).
     """
-    if outs[0].shape == value.shape:  # copy_ converts dtypes and moves across devices
-        copy_to_all(outs, value)
-        return
-    for out in outs:
-        _write(out, value)
+    shape = outs[0].shape  # copy_ converts dtypes and moves across devices
+    copy_to_all(outs, value if value.shape == shape else value.reshape(shape))
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -365,7 +354,7 @@ class AllReduce(Description):
         return dtype_of(self.tensors), n, n
 
     @staticmethod
-    @_no_grad("tensors")
+    @_no_grad
     def execute(payloads: Sequence[AllReduce]) -> None:
         op = payloads[0].op_name
         if len(payloads) == 1 and op != "PREMUL_SUM":
@@ -413,7 +402,7 @@ class Reduce(Description):
         return dtype_of(self.tensors), n, n if group_rank == self.dst else 0
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[Reduce]) -> None:
         root, op = payloads[0].dst, payloads[0].op_name
         factors = [p.factor for p in payloads]
@@ -474,7 +463,7 @@ class ReduceScatter(Description):
         return dtype_of(self.outputs), nbytes(self._inputs()), nbytes(self.outputs)
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[ReduceScatter]) -> None:
         op = payloads[0].op_name
         factors = [p.factor for p in payloads]
@@ -517,7 +506,7 @@ class ReduceScatterTensor(Description):
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self.outputs)
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[ReduceScatterTensor]) -> None:
         op = payloads[0].op_name
         factors = [p.factor for p in payloads]
@@ -576,7 +565,7 @@ class AllGather(Description):
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self._outputs())
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[AllGather]) -> None:
         for j in range(len(payloads[0].inputs)):
             sources = [p.inputs[j].clone() for p in payloads]
@@ -612,11 +601,12 @@ class AllGatherIntoTensor(Description):
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self.outputs)
 
     @staticmethod
-    @_no_grad("outputs", "inputs")
+    @_no_grad
     def execute(payloads: Sequence[AllGatherIntoTensor]) -> None:
         for j in range(len(payloads[0].inputs)):
-            flat = mv.all_gather_flat([p.inputs[j] for p in payloads])
-            _write_all([p.outputs[j] for p in payloads], flat)
+            inputs = [p.inputs[j] for p in payloads]  # one shape on every rank: the signatures matched
+            gathered = mv.all_gather_rows(inputs) if inputs[0].dim() else mv.all_gather_flat(inputs)
+            _write_all([p.outputs[j] for p in payloads], gathered)
 
 
 def _gather_compat(payloads: Sequence[Gather]) -> list[mv.Problem]:
@@ -662,7 +652,7 @@ class Gather(Description):
         return self.input.dtype, nbytes([self.input]), nbytes(self.outputs) if self.outputs else 0
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[Gather]) -> None:
         root = payloads[0].dst
         sources = [p.input.clone() for p in payloads]
@@ -704,7 +694,7 @@ class Scatter(Description):
         return [self.output]
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[Scatter]) -> None:
         pieces = [t.clone() for t in payloads[payloads[0].src].inputs or []]
         for payload, piece in zip(payloads, pieces):
@@ -746,7 +736,7 @@ class Broadcast(Description):
         return dtype_of(self.tensors), n if is_root else 0, 0 if is_root else n
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[Broadcast]) -> None:
         root = payloads[0].src
         sources = [t.clone() for t in payloads[root].tensors]
@@ -811,7 +801,7 @@ class AllToAllSingle(Description):
         return [self.output]
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[AllToAllSingle]) -> None:
         results = mv.all_to_all_single([p.input for p in payloads], [p.input_splits for p in payloads])
         for payload, result in zip(payloads, results):
@@ -853,7 +843,7 @@ class AllToAll(Description):
         return dtype_of(self.inputs), nbytes(self.inputs), nbytes(self.outputs)
 
     @staticmethod
-    @_no_grad()
+    @_no_grad
     def execute(payloads: Sequence[AllToAll]) -> None:
         received = mv.all_to_all([[t.clone() for t in p.inputs] for p in payloads])
         for payload, pieces in zip(payloads, received):

@@ -20,6 +20,7 @@ __all__ = [
     "REDUCE_OPS",
     "Problem",
     "all_gather_flat",
+    "all_gather_rows",
     "all_to_all",
     "all_to_all_single",
     "check_reduce_dtype",
@@ -115,6 +116,16 @@ _REDUCERS: dict[str, Callable[[Tensor], Tensor]] = {
 def all_gather_flat(inputs: Sequence[Tensor]) -> Tensor:
     """Every rank's input, flattened and concatenated in rank order."""
     return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in inputs])  # flat inputs: the usual case
+
+
+def all_gather_rows(inputs: list[Tensor]) -> Tensor:
+    """Inputs of one shape (at least 1-D) concatenated along dim 0 in rank order.
+
+    Its elements in order are :func:`all_gather_flat`'s: without a reshape per input, and
+    in the rows' shape, which is the output's own when it stacks the inputs' rows
+    (DTensor's and FSDP's all_gather_into_tensor).
+    """
+    return torch.cat(inputs)
 
 
 def reduce_scatter_flat(

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
 __all__ = ["DONE", "ReceiveWork", "completed"]
 
@@ -22,15 +21,54 @@ Tensor = torch.Tensor
 
 
 def completed(result: object) -> dist.Work:
-    """A completed Work whose future holds ``result`` (an asynchronous call's).
+    """A completed Work whose future holds ``result`` (an asynchronous call's, a functional collective's)."""
+    return _ResultWork(result)
 
-    ``_create_work_from_future`` is how torch's own Python process groups make one
-    (private, checked in torch 2.11-2.15).
+
+class _ResultWork(dist.Work):
+    """A completed Work holding a collective's result; its future is made only when asked for.
+
+    Every asynchronous call gets one, and DTensor's functional collectives make every
+    call asynchronous: one Python object costs less than a future and the Work that
+    ``_create_work_from_future`` wraps around it. C++ (a functional collective's
+    ``wait_tensor``, DDP) reaches only ``wait()`` and ``get_future()``, through torch's
+    trampoline; Python callers get the answers torch's future-wrapping Work gives.
     """
-    future: torch.futures.Future[object] = torch.futures.Future()
-    future.set_result(result)
-    work: dist.Work = _create_work_from_future(future)
-    return work
+
+    def __init__(self, result: object) -> None:
+        super().__init__()
+        self._result = result
+        self._future: torch.futures.Future[object] | None = None
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def get_future(self) -> torch.futures.Future[object]:
+        future = self._future
+        if future is None:
+            future = self._future = torch.futures.Future()
+            future.set_result(self._result)
+        return future
+
+    def _source_rank(self) -> int:
+        raise RuntimeError("FutureWrappingWork::sourceRank() not implemented")
+
+    source_rank = _source_rank
 
 
 class _DoneWork(dist.Work):

@@ -95,6 +95,13 @@ def test_all_gather_flat_concatenates_flattened_inputs_in_rank_order() -> None:
     assert result.tolist() == [1, 2, 3, 4]
 
 
+def test_all_gather_rows_holds_the_flat_gather_in_the_inputs_row_layout() -> None:
+    inputs = [torch.arange(6).reshape(2, 3).t(), torch.arange(6, 12).reshape(3, 2)]  # one not contiguous
+    result = mv.all_gather_rows(inputs)
+    assert result.shape == (6, 2)
+    assert result.reshape(-1).tolist() == mv.all_gather_flat(inputs).tolist()
+
+
 def test_reduce_scatter_flat_gives_rank_r_the_r_th_chunk_of_the_reduction() -> None:
     chunks = mv.reduce_scatter_flat([torch.tensor([1, 2, 3, 4]), torch.tensor([10, 20, 30, 40])], "SUM")
     assert [c.tolist() for c in chunks] == [[11, 22], [33, 44]]
