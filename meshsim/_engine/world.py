@@ -624,6 +624,7 @@ class World:
         start = nudged = time.monotonic()
         interrupted: set[int] = set()
         give_up: float | None = None
+        limit = 0.0  # the last moment a rank that keeps computing is waited for
         cpu = None  # the running ranks' CPU time when the grace began
         while not self.jobs.wait(0.01):
             nudged = _nudge_every_second(self.scheduler, nudged)
@@ -632,13 +633,15 @@ class World:
             now = time.monotonic()
             if give_up is None:
                 give_up = self.kind.give_up_at(start, self.timeout)
+                limit = give_up + self.timeout
                 cpu = self.scheduler.running_cpu()
             if now > give_up:
                 # A rank that computed during the grace runs Python and will take the
-                # interrupt once it gets the CPU (a loaded machine starves it): give it
-                # another grace, up to the world's timeout. One blocked in C is left.
+                # interrupt once it gets the CPU (a loaded machine starves it; a fresh
+                # process's first import takes long): give it another grace, for up to one
+                # more world timeout. One blocked in C is left.
                 used = self.scheduler.running_cpu()
-                if cpu is None or used is None or used - cpu < _STILL_COMPUTING or now > start + self.timeout:
+                if cpu is None or used is None or used - cpu < _STILL_COMPUTING or now > limit:
                     break
                 give_up, cpu = now + _STOP_GRACE, used
             if now - start > _INTERRUPT_AFTER:
