@@ -25,7 +25,26 @@ def completed(result: object) -> dist.Work:
     return _ResultWork(result)
 
 
-class _ResultWork(dist.Work):
+class _CompleteWork(dist.Work):
+    """A Work that is done and succeeded: what every collective's Work answers but its result."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+class _ResultWork(_CompleteWork):
     """A completed Work holding a collective's result; its future is made only when asked for.
 
     Every asynchronous call gets one, and DTensor's functional collectives make every
@@ -40,23 +59,8 @@ class _ResultWork(dist.Work):
         self._result = result
         self._future: torch.futures.Future[object] | None = None
 
-    def wait(self, timeout: object = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
     def result(self) -> Any:
         return self._result
-
-    def synchronize(self) -> None:
-        """Nothing to wait for."""
 
     def get_future(self) -> torch.futures.Future[object]:
         future = self._future
@@ -71,7 +75,7 @@ class _ResultWork(dist.Work):
     source_rank = _source_rank
 
 
-class _DoneWork(dist.Work):
+class _DoneWork(_CompleteWork):
     """The Work a synchronous ``dist.*`` call gets: complete, shared by every call.
 
     ``dist.*(async_op=False)`` calls ``wait()`` on it and drops it. A Python Work
@@ -80,23 +84,8 @@ class _DoneWork(dist.Work):
     reaches :class:`ReceiveWork`'s.
     """
 
-    def wait(self, timeout: object = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
     def result(self) -> list[Tensor]:
         return []
-
-    def synchronize(self) -> None:
-        """Nothing to wait for."""
 
     def get_future(self) -> torch.futures.Future[list[Tensor]]:
         fut: torch.futures.Future[list[Tensor]] = torch.futures.Future()

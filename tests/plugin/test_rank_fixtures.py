@@ -83,6 +83,13 @@ def test_user_fixtures_run_on_every_rank(
     assert sorted(line.replace("torn down", "built") for line in torn) == sorted(built)
 
 
+# a world per test, and the session's simulated static job
+EITHER_WAY = pytest.mark.parametrize(
+    ("marker", "args"),
+    [("world(2)", ()), ("multigpu_static", ("--multigpu-static", "--world-size", "2"))],
+    ids=["world-per-test", "static-job"],
+)
+
 AUTOUSE_CONFTEST = """
 import pytest, torch.distributed as dist
 
@@ -137,11 +144,7 @@ def test_runs_after_the_autouse_fixtures(device):
 """
 
 
-@pytest.mark.parametrize(
-    ("marker", "args"),
-    [("world(2)", ()), ("multigpu_static", ("--multigpu-static", "--world-size", "2"))],
-    ids=["world-per-test", "static-job"],
-)
+@EITHER_WAY
 def test_autouse_and_usefixtures_fixtures_that_depend_on_ranks_run_on_every_rank(
     pytester: pytest.Pytester, marker: str, args: tuple[str, ...]
 ) -> None:
@@ -200,11 +203,7 @@ def test_the_module_is_as_it_was_after_the_ranks():
 """
 
 
-@pytest.mark.parametrize(
-    ("marker", "args"),
-    [("world(2)", ()), ("multigpu_static", ("--multigpu-static", "--world-size", "2"))],
-    ids=["world-per-test", "static-job"],
-)
+@EITHER_WAY
 def test_what_a_rank_monkeypatches_is_its_own(
     pytester: pytest.Pytester, marker: str, args: tuple[str, ...]
 ) -> None:
