@@ -379,6 +379,47 @@ def test_interrupting_ranks_never_breaks_an_import(tmp_path: object, monkeypatch
     assert errors == []
 
 
+def test_a_gloo_rank_that_enters_its_collective_after_the_stop_began_is_waited_for(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (the gloo property test under load): ranks still importing when another
+    rank failed entered their gloo collective more than a second after the world began to
+    stop. gloo's timeout releases a collective that long after it *began*, but the world
+    had fixed its give-up point when the stop began, left the ranks blocked in C, and the
+    process aborted at exit with their threads alive. The give-up point now moves with
+    the latest collective a rank entered. Ordered by an event: each import (which the
+    stop never interrupts) starts its 2 s only once rank 2 has failed, then runs the
+    collective."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = Path(str(tmp_path))
+    for rank in (0, 1):  # a module each: a rank never waits on another's import lock
+        (folder / f"meshsim_late_import_{rank}.py").write_text(
+            "import time, torch, torch.distributed as dist, meshsim_gate\n"
+            "meshsim_gate.wait(30)\ntime.sleep(2)\n"
+            "dist.all_reduce(torch.ones(2))  # rank 2 never comes: gloo's timeout releases it\n"
+        )
+    failed = threading.Event()
+    monkeypatch.setitem(sys.modules, "meshsim_gate", failed)
+    monkeypatch.syspath_prepend(str(folder))
+
+    def body() -> None:
+        if dist.get_rank() == 2:
+            failed.set()
+            raise ValueError("rank 2 fails")
+        importlib.import_module(f"meshsim_late_import_{dist.get_rank()}")
+
+    try:
+        with pytest.raises(meshsim.RankError) as info:
+            meshsim.run(body, 3, backend="gloo", timeout=3)
+    finally:
+        for rank in (0, 1):
+            sys.modules.pop(f"meshsim_late_import_{rank}", None)
+    assert (info.value.rank, getattr(info.value, "__notes__", [])) == (2, [])
+
+
 class _SlowFinalizer:
     """Spends its __del__ in Python, where an asynchronous exception is swallowed."""
 
