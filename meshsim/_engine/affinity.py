@@ -69,13 +69,21 @@ class Starvation:
         self.restart()
 
     def restart(self) -> None:
-        """Measure from now (a world's call starts: the caller's own time before it does not count)."""
-        self._wall = time.monotonic()
-        self._cpu = time.process_time()
+        """Measure afresh from the next :meth:`starved` (a call starts: earlier time is not counted)."""
+        # The process's CPU time sums every thread's, and reading it right after waking
+        # ranks is slow: a world that ends before its first check never reads it.
+        self._wall = 0.0
+        self._cpu: float | None = None
 
     def starved(self) -> bool:
-        """Whether the window that ended now (at least :data:`WINDOW` long) got under the share."""
+        """Whether the window that ended now (at least :data:`WINDOW` long) got under the share.
+
+        The first check after :meth:`restart` starts the window.
+        """
         wall = time.monotonic()
+        if self._cpu is None:
+            self._wall, self._cpu = wall, time.process_time()
+            return False
         span = wall - self._wall
         if span < WINDOW:
             return False

@@ -635,7 +635,8 @@ class World:
                 give_up = self.kind.give_up_at(start, self.timeout)
                 limit = give_up + self.timeout
                 cpu = self.scheduler.running_cpu()
-            give_up = max(give_up, self.kind.give_up_at(start, self.timeout))  # a rank may enter a collective late
+            # a rank may enter a collective after the stop began (a slow first import)
+            give_up = max(give_up, self.kind.give_up_at(start, self.timeout))
             if now > give_up:
                 # A rank that computed during the grace runs Python and will take the
                 # interrupt once it gets the CPU (a loaded machine starves it; a fresh

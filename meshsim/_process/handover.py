@@ -30,7 +30,6 @@ of this.
 from __future__ import annotations
 
 import copy
-import itertools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -211,6 +210,20 @@ class _Registry:
         self._taken: dict[tuple[int, str | None], _Slot] = {}
         # the last order and plan WorldSlots._order made, keyed by the slots it ordered
         self.plan: tuple[Any, list[int], _Plan] | None = None
+        # the last slots presence() looked at, and per slot the dict and key it looks up
+        self._probe: tuple[tuple[_Slot, ...], list[dict[str, Any]], list[str]] = ((), [], [])
+
+    def presence(self, slots: list[_Slot]) -> tuple[bool, ...]:
+        """Whether each slot is present now (:func:`_namespace_of`): one C pass (every world asks).
+
+        What a slot would be looked up in is found once per list of slots: a module's or
+        an object's namespace dict (taken as fixed, as the cached plans take it), or none.
+        """
+        probe = self._probe
+        if probe[0] != tuple(slots):  # by identity: _Slot has no __eq__
+            namespaces = [_namespace_of(slot) for slot in slots]
+            probe = self._probe = (tuple(slots), namespaces, [slot.name or "" for slot in slots])
+        return tuple(map(operator.contains, probe[1], probe[2]))
 
     def add(self, slots: Sequence[_Slot]) -> None:
         with self.lock:
@@ -424,7 +437,7 @@ class WorldSlots:
 
     A rank's values are a plain list, in the order of :attr:`slots`; the world keeps
     one per rank, and :meth:`save` and :meth:`load` swap them at hand-overs.
-    Module globals (and objects' own attributes, :func:`_present`) come first, grouped
+    Module globals (and objects' own attributes, :func:`_namespace_of`) come first, grouped
     by module (or object), so that a hand-over saves a module's values with one
     ``itemgetter`` and loads them with one ``dict.update``:
     a Python-level loop over some twenty slots, four times per collective, cost more
@@ -474,16 +487,23 @@ class WorldSlots:
         """
         self._shared = []
         ranks = self.ranks  # none: no world started yet
-        # per slot, whether every rank holds the first rank's very object (checked in C)
-        same = [all(map(operator.is_, column, itertools.repeat(column[0]))) for column in zip(*ranks)]
+        if not ranks:
+            self._shared = [None] * len(self._plan.runs)
+            self._pack()
+            return
+        first = ranks[0]
+        # per slot, whether every rank holds the first rank's very object: compared rank by
+        # rank in C (a Python step per slot, four times per world, cost more)
+        same = list(map(all, zip(*[list(map(operator.is_, first, other)) for other in ranks[1:]])))
+        if not same:  # one rank
+            same = [True] * len(first)
         for run in self._plan.runs:
-            if not ranks or not all(same[run.start : run.stop]):
+            if not all(same[run.start : run.stop]):
                 self._shared.append(None)
                 continue
-            first = tuple(ranks[0][run.start : run.stop])
-            slots = self.slots[run.start : run.stop]
-            self._shared.append(_Shared.of(slots, first))
-            run.namespace.update(zip(run.names, first))  # shared runs are not loaded at hand-overs
+            values = tuple(first[run.start : run.stop])
+            self._shared.append(_Shared.of(run, values))
+            run.namespace.update(zip(run.names, values))  # shared runs are not loaded at hand-overs
         self._pack()
 
     def _pack(self) -> None:
@@ -658,7 +678,7 @@ class WorldSlots:
         The order and plan depend only on the registry's slots and on which module
         globals exist, so consecutive worlds share them (a world's set-up is short).
         """
-        present = tuple(_present(slot) for slot in self.slots)
+        present = _REGISTRY.presence(self.slots)
         key = (tuple(self.slots), present)  # compared by identity: _Slot has no __eq__
         cached = _REGISTRY.plan
         if cached is not None and cached[0] == key:
@@ -704,10 +724,13 @@ class _Shared(NamedTuple):
     held: tuple[tuple[int, Any], ...]
 
     @classmethod
-    def of(cls, slots: Sequence[_Slot], values: tuple[Any, ...]) -> _Shared:
-        baseline = tuple(s.copy(v) if s.share is not None else v for s, v in zip(slots, values))
-        held = tuple((k, v) for k, (s, v) in enumerate(zip(slots, values)) if s.share == "unchanged")
-        return cls(baseline, held)
+    def of(cls, run: _ModuleRun, values: tuple[Any, ...]) -> _Shared:
+        if not run.copied:
+            return cls(values, ())
+        baseline = list(values)
+        for k, slot in run.copied:
+            baseline[k] = slot.copy(values[k])
+        return cls(tuple(baseline), tuple((k, values[k]) for k in run.held))
 
 
 def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:
@@ -734,24 +757,31 @@ def _plan(slots: list[_Slot], present: list[bool]) -> _Plan:
     return plan
 
 
-def _present(slot: _Slot) -> bool:
-    """Whether the slot is an entry of a namespace dict that exists now (saved and loaded with its run).
+_NOWHERE: dict[str, Any] = {}  # what a slot that is no namespace entry is looked up in: never present
 
+
+def _namespace_of(slot: _Slot) -> dict[str, Any]:
+    """The dict in which ``slot.name`` is looked up to tell whether the slot is *present*.
+
+    Present: an entry of a namespace dict that exists now (saved and loaded with its run).
     A module global, or an object's own attribute (``DTensor._op_dispatcher._custom_op_handlers``):
     both live in a plain dict that a hand-over reads with one ``itemgetter`` and writes with
     one ``update``, and a run of them may be shared. A class's namespace is a read-only
     mappingproxy, and an attribute that a data descriptor of the class (a property, a
-    ``__slots__`` member) serves is not read from the object's dict: those are single slots.
-    An object's ``__dict__`` is taken as fixed, as a module's is: the plans cached across
-    worlds hold it (rebinding one is what ``per_rank(obj)`` does, and it owns that object).
+    ``__slots__`` member) serves is not read from the object's dict: those are single slots
+    (:data:`_NOWHERE`). An object's ``__dict__`` is taken as fixed, as a module's is: the plans
+    cached across worlds hold it (rebinding one is what ``per_rank(obj)`` does, and it owns
+    that object).
     """
     owner, name = slot.owner, slot.name
     if name is None or isinstance(owner, type):
-        return False
+        return _NOWHERE
     if isinstance(owner, ModuleType):
-        return name in vars(owner)
+        return vars(owner)
     namespace = getattr(owner, "__dict__", None)
-    return type(namespace) is dict and name in namespace and not _data_descriptor(type(owner), name)
+    if type(namespace) is not dict or _data_descriptor(type(owner), name):
+        return _NOWHERE
+    return namespace
 
 
 def _data_descriptor(cls: type, name: str) -> bool:
@@ -781,6 +811,8 @@ class _ModuleRun(NamedTuple):
     names: tuple[str, ...]
     watched: tuple[tuple[int, str], ...]  # (position, name) of the slots that have an after_set
     afters: tuple[Callable[[], None], ...]  # their after_set functions, each once
+    copied: tuple[tuple[int, _Slot], ...]  # (position, slot) of declared-shared values, copied in a baseline
+    held: tuple[int, ...]  # positions of the containers whose identity a shared run holds (share="unchanged")
 
 
 def _module_run(slots: list[_Slot], start: int) -> _ModuleRun:
@@ -796,6 +828,8 @@ def _module_run(slots: list[_Slot], start: int) -> _ModuleRun:
         names,
         tuple((k, slot.name) for k, slot in watched if slot.name is not None),
         afters,
+        tuple((k, slot) for k, slot in enumerate(slots) if slot.share is not None),
+        tuple(k for k, slot in enumerate(slots) if slot.share == "unchanged"),
     )
 
 
