@@ -70,8 +70,8 @@ class Starvation:
 
     def restart(self) -> None:
         """Measure afresh from the next :meth:`starved` (a call starts: earlier time is not counted)."""
-        # The process's CPU time sums every thread's, and reading it right after waking
-        # ranks is slow: a world that ends before its first check never reads it.
+        # The process's CPU time sums every thread's: a world that ends before its first
+        # check never reads it.
         self._wall = 0.0
         self._cpu: float | None = None
 
