@@ -204,11 +204,34 @@ def _backward_in_calling_thread() -> Undo:
     return functools.partial(torch._C._set_multithreading_enabled, previous)
 
 
+_WRAPPERS: dict[Callable[[Any], Any], tuple[Any, Any]] = {}  # per maker: (original, its wrapper)
+
+
+def _wrapper(make: Callable[[Any], Any], original: Any) -> Any:
+    """``make(original)``, made once per original: every world's start installs the same wrapper.
+
+    The wrappers below read the rank context when called, so one serves every world.
+    """
+    made = _WRAPPERS.get(make)
+    if made is None or made[0] is not original:
+        made = _WRAPPERS[make] = (original, make(original))
+    return made[1]
+
+
 def _meshes_per_rank_thread() -> Undo:
     """Make meshes built in a rank thread carry that thread's identity (see ``mesh_token``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__init__
+    DeviceMesh.__init__ = _wrapper(_mesh_init, original)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
+
+    return undo
+
+
+def _mesh_init(original: Callable[..., None]) -> Callable[..., None]:
     here = current()
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -218,12 +241,7 @@ def _meshes_per_rank_thread() -> Undo:
             self._thread_id = token
             self._hash = None
 
-    DeviceMesh.__init__ = __init__  # type: ignore[method-assign]
-
-    def undo() -> None:
-        DeviceMesh.__init__ = original  # type: ignore[method-assign]
-
-    return undo
+    return __init__
 
 
 def _group_timeout_per_world() -> Undo:
@@ -234,18 +252,22 @@ def _group_timeout_per_world() -> Undo:
     long, longer than a world may last.
     """
     original = cast(Callable[[Any], datetime.timedelta], c10d._get_default_timeout)
+    c10d._get_default_timeout = _wrapper(_default_timeout, original)
+
+    def undo() -> None:
+        c10d._get_default_timeout = original  # type: ignore[assignment]
+
+    return undo
+
+
+def _default_timeout(original: Callable[[Any], datetime.timedelta]) -> Callable[[Any], datetime.timedelta]:
     here = current()
 
     def default_timeout(backend: Any) -> datetime.timedelta:
         override = here.group_timeout
         return override if override is not None else original(backend)
 
-    c10d._get_default_timeout = default_timeout
-
-    def undo() -> None:
-        c10d._get_default_timeout = original  # type: ignore[assignment]
-
-    return undo
+    return default_timeout
 
 
 def _adopting_init_process_group() -> Undo:
@@ -255,7 +277,16 @@ def _adopting_init_process_group() -> Undo:
     ``distributed_c10d``; code that imported the name before the patch keeps torch's.
     """
     original = cast(Callable[..., None], c10d.init_process_group)
+    c10d.init_process_group = dist.init_process_group = _wrapper(_adopting, original)
 
+    def undo() -> None:
+        c10d.init_process_group = original
+        dist.init_process_group = original
+
+    return undo
+
+
+def _adopting(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         bound = _signature(original).bind(*args, **kwargs)
@@ -264,14 +295,7 @@ def _adopting_init_process_group() -> Undo:
             return None
         return original(*args, **kwargs)
 
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
-
-    def undo() -> None:
-        c10d.init_process_group = original
-        dist.init_process_group = original
-
-    return undo
+    return init_process_group
 
 
 @functools.lru_cache(maxsize=4)
@@ -344,6 +368,15 @@ def _dtensor_gpu_paths() -> Undo:
     from torch.distributed.tensor import _collective_utils
 
     original: Callable[[], Any] = _collective_utils.local_tensor_mode  # type: ignore[attr-defined]
+    _collective_utils.local_tensor_mode = _wrapper(_local_tensor_mode, original)  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        _collective_utils.local_tensor_mode = original  # type: ignore[attr-defined]
+
+    return undo
+
+
+def _local_tensor_mode(original: Callable[[], Any]) -> Callable[[], Any]:
     marker = _NotLocalTensorMode()
     here = current()
 
@@ -353,12 +386,7 @@ def _dtensor_gpu_paths() -> Undo:
             return marker
         return mode
 
-    _collective_utils.local_tensor_mode = local_tensor_mode  # type: ignore[attr-defined]
-
-    def undo() -> None:
-        _collective_utils.local_tensor_mode = original  # type: ignore[attr-defined]
-
-    return undo
+    return local_tensor_mode
 
 
 _ABSENT = object()
