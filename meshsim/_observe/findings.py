@@ -34,7 +34,7 @@ from meshsim._sim.collectives import nbytes
 from meshsim._sim.rendezvous import Instrument
 
 if TYPE_CHECKING:
-    from meshsim._sim.rendezvous import Call, Slot
+    from meshsim._sim.rendezvous import Slot
 
 __all__ = ["Finding", "Findings", "Repeats", "collecting", "enabled_by_default"]
 
@@ -105,14 +105,14 @@ class Findings(Instrument):
                     break
             else:
                 return
-        calls = [c for c in slot.calls if c is not None]
         repeats = self._repeats.get(group.name)
         if repeats is None:
             repeats = self._repeats[group.name] = Repeats()
-        reason = _waste(slot, calls, repeats)
+        reason = _waste(slot, repeats)
         if reason is None:
             return
         slot.wasted = reason
+        calls = slot.arrivals
         for call in calls:
             call.mark(reason)
         if self.sinks:
@@ -122,9 +122,9 @@ class Findings(Instrument):
                 sink.append(finding)
 
 
-def _waste(slot: Slot, calls: list[Call], repeats: Repeats) -> str | None:
+def _waste(slot: Slot, repeats: Repeats) -> str | None:
     """Why the slot's call tells no rank anything new, or None."""
-    payloads = [c.payload for c in calls]
+    payloads = slot.payloads
     kind = type(payloads[0])
     mine = payloads[0].contributed()
     rule = kind.wasted
@@ -136,7 +136,7 @@ def _waste(slot: Slot, calls: list[Call], repeats: Repeats) -> str | None:
     # (a call the rule above flags needs no memory: the same bytes again meet the same rule)
     if not mine or nbytes(mine) > REPEAT_LIMIT:
         return None  # only small calls are remembered (rank 0's size rules out most; check() sees all)
-    key = (kind, payloads[0].api, calls[0].signature)
+    key = (kind, payloads[0].api, slot.arrivals[0].signature)
     return repeats.check(key, slot.seq, [p.contributed() for p in payloads])
 
 

@@ -137,6 +137,9 @@ class Slot(Waitable):
         self.wasted: str | None = None  # why the call told no rank anything new (set by an instrument)
         self.last: Call | None = None  # the last rank's call: the one the others waited for
         self._first: Call | None = None
+        # set as the call completes, for the instruments told then: every rank's call and payload
+        self.arrivals: list[Call] = []
+        self.payloads: list[Description] = []
 
     def add(self, call: Call) -> None:
         self.calls[call.group_rank] = call
@@ -165,8 +168,10 @@ class Slot(Waitable):
                 f"the ranks' {calls[0].op} arguments do not fit together", problems
             )
             return
-        for completed in completions:
-            completed(self)
+        if completions:
+            self.arrivals, self.payloads = calls, payloads
+            for completed in completions:
+                completed(self)
         try:
             kind.execute(payloads)
         except Exception as exc:  # a bug in meshsim, or an input torch would reject
