@@ -135,20 +135,17 @@ def run(
         TypeError, ValueError: a bad argument.
     """
     try:
-        return run_ranks(
-            fn,
+        world = World(
             world_size,
-            args=args,
-            kwargs=kwargs,
             timeout=timeout,
             backend=backend,
             serialize=serialize,
             gpu_paths=gpu_paths,
             num_threads=num_threads,
             redundant=redundant,
-            trace=trace,
             cuda=cuda,
         )
+        return _run_once(world, fn, args, kwargs, trace)
     except RankError as error:
         outcome = decided(error)
         if outcome is error:
@@ -172,10 +169,17 @@ def run_ranks(
     :class:`World`'s (``timeout``, ``backend``, ``serialize``, ``gpu_paths``, ``num_threads``,
     ``redundant``, ``cuda``), as for :func:`run`.
     """
-    redundant = options.get("redundant")
-    if redundant is not None and not isinstance(redundant, bool):
-        raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
-    world = World(world_size, **options)
+    return _run_once(World(world_size, **options), fn, args, kwargs, trace)
+
+
+def _run_once(
+    world: World,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    trace: str | os.PathLike[str] | None,
+) -> list[Any]:
+    """``fn`` as the one call of ``world``, from its start to its close."""
     path = None
     if trace is not None:
         path = _trace.checked_path(trace)
@@ -273,6 +277,8 @@ class World:
         cuda: str | None = None,
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
+        if redundant is not None and not isinstance(redundant, bool):
+            raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
         # parsed now, so a bad value fails before any thread starts
         self.cuda = (
             _cuda.from_environment(world_size)

@@ -290,10 +290,10 @@ class Instruments:
 
     def __init__(self, instruments: Sequence[Instrument] = ()) -> None:
         self.all = tuple(instruments)
-        hooks: dict[str, list[Callable[..., Any]]] = {}
-        for hook in HOOKS:
-            base = getattr(Instrument, hook)
-            hooks[hook] = [getattr(i, hook) for i in self.all if getattr(type(i), hook) is not base]
+        hooks: dict[str, list[Callable[..., Any]]] = {hook: [] for hook in HOOKS}
+        for instrument in self.all:  # a world makes these at every call
+            for hook in _overridden(type(instrument)):
+                hooks[hook].append(getattr(instrument, hook))
         self.arrived = tuple(hooks["arrived"])
         self.completed = tuple(hooks["completed"])
         self.released = tuple(hooks["released"])
@@ -307,6 +307,17 @@ class Instruments:
 
 
 NONE = Instruments()
+
+
+_OVERRIDDEN: dict[type, tuple[str, ...]] = {}
+
+
+def _overridden(kind: type) -> tuple[str, ...]:
+    """The hooks an instrument class overrides (the others are not called), found once per class."""
+    hooks = _OVERRIDDEN.get(kind)
+    if hooks is None:
+        hooks = _OVERRIDDEN[kind] = tuple(h for h in HOOKS if getattr(kind, h) is not getattr(Instrument, h))
+    return hooks
 
 
 @dataclass
