@@ -250,6 +250,10 @@ class _Post(Waitable):
         return ()
 
 
+# A world of one call (meshsim.run) never waits for its ranks to be idle between calls.
+_NEVER_IDLE = threading.Event()
+
+
 class World:
     """One world of ``world_size`` rank threads, from :meth:`start` to :meth:`close`.
 
@@ -313,7 +317,8 @@ class World:
         self._saved: ProcessState | None = None  # the caller's state as the last call began
         self._leaks: LeakCheck | None = None
         self._posts: list[_Post] = []
-        self._idle = threading.Event()  # every rank that has not finished waits for the next call
+        # every rank that has not finished waits for the next call (a world of more than one call)
+        self._idle = _NEVER_IDLE
         self._calls = 0  # calls posted so far
         self._env: dict[str, str | None] = {}  # what the ranks changed in the environment, kept across calls
         self._num_threads_default = 1  # the caller's, for reused threads when num_threads is None
@@ -345,6 +350,9 @@ class World:
             raise RuntimeError("this world was started already: a World runs once, from start() to close()")
         self.started = True
         saved = self._open()
+        if only is None:
+            self._idle = threading.Event()
+            self.scheduler.on_idle = self._idle.set
         try:
             with self.pinned():
                 if only is not None:
@@ -519,7 +527,6 @@ class World:
                 serialize=self.serialize,
                 handover=saved.slots if self.serialize else None,
             )
-            self.scheduler.on_idle = self._idle.set
             self.rendezvous = Rendezvous(self.scheduler)
             if self.backend == "sim" and looking_for_waste(self.redundant, _findings.enabled_by_default()):
                 self.findings = _findings.Findings()
