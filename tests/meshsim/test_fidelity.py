@@ -450,6 +450,32 @@ def test_a_world_that_leaves_a_torch_distributed_global_changed_is_reported() ->
         local_tensor._PROCESS_MODE = before
 
 
+def _delete_and_rebind_torch_globals() -> None:
+    import torch.distributed._local_tensor as local_tensor
+
+    del local_tensor._PROCESS_MODE
+    dist.distributed_c10d._MPI_AVAILABLE = torch.ones(3)
+
+
+def test_a_deleted_global_and_one_rebound_to_a_tensor_are_reported() -> None:
+    """A global a rank deletes reads as absent; one rebound to a value that does not compare
+    (a tensor) is still told apart from its old value. Both in one report, nothing else."""
+    import torch.distributed._local_tensor as local_tensor
+
+    process_mode, mpi = local_tensor._PROCESS_MODE, dist.distributed_c10d._MPI_AVAILABLE
+    try:
+        with pytest.warns(meshsim.StateLeakWarning) as caught:
+            meshsim.run(_delete_and_rebind_torch_globals, 1)
+    finally:
+        local_tensor._PROCESS_MODE = process_mode
+        dist.distributed_c10d._MPI_AVAILABLE = mpi
+    changed = {line.strip() for line in str(caught[0].message).splitlines() if line.startswith("  ")}
+    assert changed == {
+        f"torch.distributed.distributed_c10d._MPI_AVAILABLE: {mpi} -> tensor([1., 1., 1.])",
+        f"torch.distributed._local_tensor._PROCESS_MODE: {process_mode} -> (absent)",
+    }
+
+
 def _ask_whether_spmd_types_is_installed() -> None:
     dist._is_spmd_types_available()  # type: ignore[attr-defined]
 
