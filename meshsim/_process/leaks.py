@@ -28,10 +28,8 @@ replaced in place is not seen.
 
 from __future__ import annotations
 
-import operator
 import sys
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from meshsim._base import MESHSIM_DIR
@@ -51,8 +49,7 @@ class _Names:
     """The simple globals of loaded torch.distributed modules, found once per module."""
 
     def __init__(self) -> None:
-        # per module with watched globals: its name, namespace, those globals, and their getter
-        self.modules: list[tuple[str, dict[str, Any], tuple[str, ...], Callable[[dict[str, Any]], Any]]] = []
+        self.keys: list[tuple[str, dict[str, Any], str]] = []  # (module, its namespace, global)
         self._modules: set[str] = set()
         self._seen = 0  # len(sys.modules) at the last look
 
@@ -65,41 +62,12 @@ class _Names:
                 continue
             self._modules.add(name)
             namespace = vars(module)
-            keys = tuple(
-                key
+            self.keys += [
+                (name, namespace, key)
                 for key, value in namespace.items()
                 # type(), not isinstance: torch.distributed.reduce_op warns when asked its class
                 if not key.startswith("__") and type(value) in _SIMPLE and (name, key) not in _MEMOS
-            )
-            if keys:
-                self.modules.append((name, namespace, keys, operator.itemgetter(*keys)))
-
-    def values(self, count: int) -> list[Any]:
-        """The watched globals of the first ``count`` modules: per module, what its getter returns.
-
-        One C call per module (a world reads them twice); a global deleted since is
-        ``_ABSENT``.
-        """
-        modules = self.modules[:count]
-        try:
-            return [get(namespace) for _, namespace, _, get in modules]
-        except KeyError:
-            return [_looked_up(namespace, keys) for _, namespace, keys, _ in modules]
-
-
-def _looked_up(namespace: dict[str, Any], keys: tuple[str, ...]) -> Any:
-    """What the module's getter returns, with ``_ABSENT`` for a key that is gone."""
-    found = tuple(namespace.get(key, _ABSENT) for key in keys)
-    return found if len(keys) > 1 else found[0]
-
-
-def _changed(modules: list[Any], before: list[Any], after: list[Any]) -> list[tuple[str, str, Any, Any]]:
-    """``(module, global, before, after)`` of each watched global rebound between the two reads."""
-    changed = []
-    for (module, _, keys, _), old, new in zip(modules, before, after):
-        olds, news = (old, new) if len(keys) > 1 else ((old,), (new,))
-        changed += [(module, key, a, b) for key, a, b in zip(keys, olds, news) if not _same(a, b)]
-    return changed
+            ]
 
 
 def _same(before: Any, after: Any) -> bool:
@@ -132,8 +100,8 @@ class LeakCheck:
 
     def __init__(self) -> None:
         _NAMES.refresh()
-        self._count = len(_NAMES.modules)  # the modules watched as the world starts
-        self._before = _NAMES.values(self._count)
+        self._keys = _NAMES.keys
+        self._before = [namespace.get(key, _ABSENT) for _, namespace, key in self._keys]
         self._tables = _table_sizes()
         self._modules = len(sys.modules)
 
@@ -164,14 +132,11 @@ class LeakCheck:
         )
 
     def _report_globals(self) -> None:
-        after = _NAMES.values(self._count)
-        try:
-            # the common case, in C: the same objects (or equal simple values) everywhere
-            if after == self._before:
-                return
-        except Exception:  # a global rebound to a value that does not compare (a tensor)
-            pass
-        changed = _changed(_NAMES.modules, self._before, after)
+        changed = [
+            (module, key, before, namespace.get(key, _ABSENT))
+            for (module, namespace, key), before in zip(self._keys, self._before)
+            if not _same(before, namespace.get(key, _ABSENT))
+        ]
         if not changed:
             return
         lines = [f"  {module}.{key}: {_show(old)} -> {_show(new)}" for module, key, old, new in changed]
