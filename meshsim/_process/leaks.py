@@ -70,9 +70,9 @@ class _Names:
             ]
 
 
-def _same(before: Any, after: Any) -> bool:
-    """Whether a simple global still holds its value (the same object, or an equal one of its type)."""
-    return before is after or (type(before) is type(after) and type(after) in _SIMPLE and before == after)
+def _still_equal(before: Any, after: Any) -> bool:
+    """Whether a simple global rebound to another object still holds an equal value of its type."""
+    return type(before) is type(after) and type(after) in _SIMPLE and before == after
 
 
 _NAMES = _Names()
@@ -133,9 +133,10 @@ class LeakCheck:
 
     def _report_globals(self) -> None:
         changed = [
-            (module, key, before, namespace.get(key, _ABSENT))
+            (module, key, before, after)
             for (module, namespace, key), before in zip(self._keys, self._before)
-            if not _same(before, namespace.get(key, _ABSENT))
+            # the identity test first: most globals are untouched, and a call per global costs
+            if (after := namespace.get(key, _ABSENT)) is not before and not _still_equal(before, after)
         ]
         if not changed:
             return
