@@ -40,7 +40,10 @@ class Spec:
 
 def from_environment(world_size: int = 1) -> Spec | None:
     """The emulation ``MESHSIM_CUDA`` asks for (``MESHSIM_CUDA_DEVICES`` GPUs, default max(8, world_size))."""
-    return parse(os.environ.get("MESHSIM_CUDA"), devices=devices_wanted(world_size))
+    value = os.environ.get("MESHSIM_CUDA")
+    if value is None:  # not emulating (every world asks): the GPU count means nothing then
+        return None
+    return parse(value, devices=devices_wanted(world_size))
 
 
 def devices_wanted(world_size: int) -> int:
