@@ -332,4 +332,3 @@ def stand_ins(spec: Spec) -> dict[str, Any]:
         "default_generators": _Generators(),
         "nvtx": _Nvtx(),
     }
-

@@ -17,8 +17,6 @@ __all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release
 # -- install and undo -----------------------------------------------------------------------
 
 
-
-
 def active() -> Spec | None:
     """The emulation installed now, or None."""
     return ACTIVE.spec
@@ -92,7 +90,6 @@ def _set_attr(owner: Any, name: str, value: Any) -> Callable[[], None]:
     return undo
 
 
-
 # -- processes user code starts -------------------------------------------------------------------
 
 
@@ -160,7 +157,6 @@ def _groups_on_the_storage() -> list[Callable[[], None]]:
         undo.append(_set_attr(c10d, name, call))
         undo.append(_set_attr(dist, name, call))
     return undo
-
 
 
 # -- per thread ---------------------------------------------------------------------------------

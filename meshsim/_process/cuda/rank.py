@@ -120,7 +120,6 @@ def declare_per_rank() -> None:
         )
 
 
-
 def now() -> Rank:
     """The calling rank's GPUs (the caller's outside worlds)."""
     return _state
@@ -156,5 +155,3 @@ def check_ordinal(index: int) -> int:
 def device_count() -> int:
     spec = ACTIVE.spec
     return spec.devices if spec is not None else 0
-
-

@@ -92,7 +92,6 @@ def parse(value: str | None, *, devices: int = 8) -> Spec | None:
     )
 
 
-
 class _Active:
     """The emulation now installed (``spec``), how many worlds and sessions use it, and its undo steps."""
 

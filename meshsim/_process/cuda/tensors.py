@@ -88,7 +88,6 @@ def cuda_device(device: Any) -> torch.device | None:
     return cast("torch.device | None", device)
 
 
-
 # -- the dispatch mode: factories, tags, seeded ops, memory -------------------------------
 
 # op -> (allocates new storage, draws random numbers, has a CUDA kernel and no CPU one)
@@ -255,6 +254,7 @@ _ON_CPU: dict[Any, Callable[..., Any]] = {
     torch.ops.aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
 }
 
+
 def _dtensor_rng(mode: CudaMode, start: int, end: int, op: Any, *args: Any, **kwargs: Any) -> Any:
     """DTensor's random ops on CUDA meshes (``run_dtensor_rng_op``): the rank's generator, DTensor's offsets.
 
@@ -341,7 +341,6 @@ def _count(out: Any, device: torch.device) -> None:
 
 def _free(rank: Rank, index: int, nbytes: int) -> None:
     rank.allocated[index] = rank.allocated.get(index, 0) - nbytes
-
 
 
 # -- torch.Tensor's Python face --------------------------------------------------------------
@@ -602,7 +601,6 @@ class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self._meshsim_device
-
 
 
 def patches() -> list[tuple[Any, str, Any]]:
