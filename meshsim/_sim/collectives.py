@@ -185,6 +185,11 @@ def descs(tensors: Sequence[Tensor]) -> str:
 
 
 def nbytes(tensors: Sequence[Tensor]) -> int:
+    """The bytes ``tensors`` hold as dense data (elements x element size)."""
+    if len(tensors) == 1:  # the common case: one attribute read, no generator
+        t = tensors[0]
+        if t.layout is torch.strided:  # Tensor.nbytes refuses sparse layouts
+            return int(t.nbytes)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
