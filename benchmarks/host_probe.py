@@ -7,14 +7,16 @@ from one minute to the next while plain Python and system calls do not; the sim
 backend, which runs every rank's torch work on one CPU, swings with torch. Each
 row samples, on one CPU: a plain Python loop, an eventfd write+read (two system
 calls), a hand-over between two threads through eventfds (what a rank hand-over
-costs at least), ``torch.stack(4 x 1 KiB).sum(0)``, and then a 4-rank sim
-all_reduce of 1 KiB.
+costs at least), ``torch.stack(4 x 1 KiB).sum(0)``, ``torch.equal`` of two small tensors
+back to back and right after 60 us of Python that calls no torch op (what the first torch
+op after a rank hand-over meets), and then a 4-rank sim all_reduce of 1 KiB.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -65,7 +67,23 @@ def _probes() -> dict[str, Callable[[], float]]:
         "eventfd write+read": lambda: _per_call(system_calls, 5000),
         "thread hand-over": lambda: _per_call(hand_over, 3000),
         "torch stack+sum": lambda: _per_call(lambda: torch.stack(xs).sum(0), 3000),
+        "equal": lambda: _op_after_python(0),
+        "equal after 60us py": lambda: _op_after_python(60),
     }
+
+
+def _op_after_python(python_us: float, calls: int = 2000) -> float:
+    """Median microseconds of one small ``torch.equal`` right after ``python_us`` of Python alone."""
+    a, b = torch.ones(4), torch.ones(4)
+    times = []
+    for _ in range(calls):
+        end = time.perf_counter() + python_us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        start = time.perf_counter()
+        torch.equal(a, b)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def _all_reduce() -> float:
