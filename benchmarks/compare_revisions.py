@@ -72,11 +72,11 @@ Row = tuple[str, str, int, int]  # (row, runner, world size, calls)
 Table = dict[Row, dict[str, list[float]]]  # per row, per revision: a value per round
 
 
-def _export(rev: str, into: Path) -> Path:
+def _export(rev: str, into: Path, index: int) -> Path:
     """``rev``'s tree in a folder of its own (``.``: the working tree itself)."""
     if rev == ".":
         return REPO
-    folder = into / rev.replace("/", "_")
+    folder = into / f"{index}-{rev.replace('/', '_')}"  # the index: "a/b" and "a_b" are two revisions
     folder.mkdir()
     try:
         archive = subprocess.run(
@@ -155,7 +155,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="meshsim-revs-"))
     workers: dict[str, list[_Worker]] = {}
     try:
-        trees = {rev: _export(rev, scratch) for rev in revs}
+        trees = {rev: _export(rev, scratch, i) for i, rev in enumerate(revs)}
         workers = {rev: [_Worker(trees[rev]) for _ in range(args.workers)] for rev in revs}
         keys = [(rev, j) for rev in revs for j in range(args.workers)]
         for row in rows:  # warm every worker on every row
