@@ -286,21 +286,22 @@ class Instrument:
 
 
 class Instruments:
-    """The instruments of a world, as one bound-method list per hook (empty when none overrides it)."""
+    """The instruments of a world, as one bound-method tuple per hook (empty when none overrides it)."""
+
+    # the hooks no instrument overrides stay these class-level empty tuples
+    arrived: tuple[Callable[..., Any], ...] = ()
+    completed: tuple[Callable[..., Any], ...] = ()
+    released: tuple[Callable[..., Any], ...] = ()
+    rank_started: tuple[Callable[..., Any], ...] = ()
+    rank_finished: tuple[Callable[..., Any], ...] = ()
+    failed: tuple[Callable[..., Any], ...] = ()
+    ended: tuple[Callable[..., Any], ...] = ()
 
     def __init__(self, instruments: Sequence[Instrument] = ()) -> None:
         self.all = tuple(instruments)
-        hooks: dict[str, list[Callable[..., Any]]] = {hook: [] for hook in HOOKS}
-        for instrument in self.all:  # a world makes these at every call
+        for instrument in self.all:  # a world makes these at every call: only the hooks it overrides
             for hook in _overridden(type(instrument)):
-                hooks[hook].append(getattr(instrument, hook))
-        self.arrived = tuple(hooks["arrived"])
-        self.completed = tuple(hooks["completed"])
-        self.released = tuple(hooks["released"])
-        self.rank_started = tuple(hooks["rank_started"])
-        self.rank_finished = tuple(hooks["rank_finished"])
-        self.failed = tuple(hooks["failed"])
-        self.ended = tuple(hooks["ended"])
+                setattr(self, hook, (*getattr(self, hook), getattr(instrument, hook)))
 
     def __bool__(self) -> bool:
         return bool(self.all)
