@@ -235,14 +235,14 @@ def _restore_environ(saved: dict[Any, Any]) -> None:
     now = _environ_snapshot()
     if now == saved:
         return
-    # only what differs is decoded (a world's end sets back its ranks' few variables), and
-    # found by set operations on the two dicts, in C
+    # only what differs is decoded (a world's end sets back its ranks' few variables)
     decode = os.fsdecode if _ENVIRON_DATA is not None else str
     environ = os.environ
     for key in now.keys() - saved.keys():
         del environ[decode(key)]
-    for key, value in saved.items() - now.items():
-        environ[decode(key)] = decode(value)
+    for key, value in saved.items():
+        if now.get(key) != value:
+            environ[decode(key)] = decode(value)
 
 
 # What a rank's own environment holds (set at hand-overs and at the world's start).
