@@ -45,7 +45,16 @@ import torch
 from meshsim._baton.doorbell import Doorbell, EventBell, LockBell, eventfd_budget
 from meshsim._engine import affinity
 
-__all__ = ["Countdown", "Worker", "end_idle_threads", "give_back", "idle_count", "take", "thread_fingerprint"]
+__all__ = [
+    "Countdown",
+    "Worker",
+    "end_idle_threads",
+    "give_back",
+    "idle_count",
+    "idle_cpus",
+    "take",
+    "thread_fingerprint",
+]
 
 MAX_IDLE = 64  # idle threads kept at most; the rest of a bigger world's exit
 IDLE_LIFETIME = 10.0  # seconds an idle thread waits for work before it exits
@@ -216,6 +225,11 @@ class _Pool:
         fresh = [Worker(_new_bell()) for _ in range(count - len(reused))]
         return reused + fresh, fresh
 
+    def idle_cpus(self, count: int) -> set[frozenset[int] | None]:
+        """The affinities of the idle workers that :meth:`take` would give a world of ``count`` ranks."""
+        with self._lock:
+            return {w.cpus for w in (self._idle[-count:] if count else [])}
+
     def give_back(self, workers: Sequence[Worker]) -> list[Worker]:
         """Keep what may idle; return the workers that must be retired."""
         keep = _reuse_enabled()
@@ -296,6 +310,11 @@ if hasattr(os, "register_at_fork"):
 def take(count: int) -> tuple[list[Worker], list[Worker]]:
     """Workers for a world of ``count`` ranks, and which of them are new (not started yet)."""
     return _POOL.take(count)
+
+
+def idle_cpus(count: int) -> set[frozenset[int] | None]:
+    """Where the idle threads :func:`take` would reuse for ``count`` ranks are pinned (None: unpinned)."""
+    return _POOL.idle_cpus(count)
 
 
 def give_back(workers: Sequence[Worker]) -> list[Worker]:

@@ -507,7 +507,6 @@ class World:
 
     def _open(self) -> ProcessState:
         """Install the patches, capture the caller's state, and make the scheduler and the rendezvous."""
-        self.workers, self.new_workers = _threads.take(self.world_size)
         # Patches first: they declare the per-rank state of integrated projects already
         # loaded, which the caller's state then includes.
         if self.cuda is not None:
@@ -517,6 +516,8 @@ class World:
         except BaseException:
             self._release_cuda()
             raise
+        # taken once nothing before can fail: every failure from here gives them back
+        self.workers, self.new_workers = _threads.take(self.world_size)
         try:
             self._leaks = LeakCheck()
             saved = self._saved = ProcessState.capture()
@@ -561,8 +562,11 @@ class World:
 
     def _rank_cpu(self, allowed: frozenset[int] | None) -> int | None:
         """The one CPU serialized ranks run on: where reused threads already are, if they agree."""
-        reused = self.workers[: len(self.workers) - len(self.new_workers)]  # take() puts them first
-        pinned = {w.cpus for w in reused}
+        if self.workers:  # taken already (a session's start places after taking)
+            reused = self.workers[: len(self.workers) - len(self.new_workers)]  # take() puts them first
+            pinned = {w.cpus for w in reused}
+        else:  # meshsim.run places first (one pinning from start to close): the threads it will take
+            pinned = _threads.idle_cpus(self.world_size)
         if len(pinned) == 1:
             cpus = pinned.pop()
             if cpus is not None and len(cpus) == 1:

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import meshsim
+from meshsim._engine import affinity as _affinity
 from meshsim._engine import threads as _threads
+from meshsim._process import patches as _patches
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 
@@ -136,6 +138,37 @@ def test_free_running_ranks_on_reused_threads_run_where_the_caller_may() -> None
     meshsim.run(this_thread, 2)  # serialized: its threads are pinned to one CPU
     caller = os.sched_getaffinity(0)
     assert meshsim.run(lambda: os.sched_getaffinity(0), 2, serialize=False) == [caller] * 2
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to choose from",
+)
+def test_a_world_runs_where_the_idle_threads_it_reuses_are_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Moving a rank thread to another CPU costs more than a world's set-up: meshsim.run keeps
+    # its idle threads' CPU, wherever the caller happens to run when the world starts.
+    meshsim.end_idle_threads()
+    first = meshsim.run(lambda: os.sched_getaffinity(0), 2)  # new threads, pinned to one CPU
+    assert len(first[0]) == 1 and first[0] == first[1], first
+    (cpu,) = first[0]
+    elsewhere = min(os.sched_getaffinity(0) - {cpu})
+    monkeypatch.setattr(_affinity, "current_cpu", lambda allowed: elsewhere)  # the caller moved
+    assert meshsim.run(lambda: os.sched_getaffinity(0), 2) == [{cpu}, {cpu}]
+
+
+def test_a_world_that_cannot_install_itself_leaves_the_idle_threads_it_would_have_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    meshsim.run(this_thread, 2)  # two idle threads for the next world
+    idle = _threads.idle_count()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("install refused")
+
+    monkeypatch.setattr(_patches, "install", refuse)
+    with pytest.raises(RuntimeError, match="install refused"):
+        meshsim.run(this_thread, 2)
+    assert _threads.idle_count() == idle
 
 
 def test_idle_threads_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
