@@ -21,8 +21,7 @@ redundant=False)``, turns the checks off.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,12 +71,19 @@ def enabled_by_default() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
-@contextmanager
-def collecting() -> Iterator[list[Finding]]:
-    """Collect the findings of every world's calls while the block runs (any thread's), in order."""
-    found: list[Finding] = []
-    with watching(Watch(findings=found)):
-        yield found
+class collecting(watching):  # a context manager, named as contextlib's are
+    """Collect the findings of every world's calls while the block runs (any thread's), in order.
+
+    ``with collecting() as found:`` gives the list the findings go into.
+    """
+
+    def __init__(self) -> None:
+        self.found: list[Finding] = []
+        super().__init__(Watch(findings=self.found))
+
+    def __enter__(self) -> list[Finding]:  # type: ignore[override]
+        super().__enter__()
+        return self.found
 
 
 class Findings(Instrument):

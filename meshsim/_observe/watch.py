@@ -19,8 +19,7 @@ This is the only process-wide registry meshsim's own parts talk through.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,16 +39,23 @@ _lock = threading.Lock()
 _open: list[Watch] = []
 
 
-@contextmanager
-def watching(watch: Watch) -> Iterator[Watch]:
-    """Keep ``watch`` open while the block runs (worlds of any thread see it)."""
-    with _lock:
-        _open.append(watch)
-    try:
-        yield watch
-    finally:
+class watching:  # a context manager, named as contextlib's are
+    """Keep ``watch`` open while the block runs (worlds of any thread see it).
+
+    A class, not a generator: a benchmark's world opens one per call.
+    """
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+
+    def __enter__(self) -> Watch:
         with _lock:
-            _open.remove(watch)
+            _open.append(self.watch)
+        return self.watch
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _lock:
+            _open.remove(self.watch)
 
 
 def open_watches() -> tuple[Watch, ...]:
