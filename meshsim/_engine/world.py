@@ -529,7 +529,7 @@ class World:
                 handover=saved.slots if self.serialize else None,
             )
             self.rendezvous = Rendezvous(self.scheduler)
-            if self.backend == "sim" and looking_for_waste(self.redundant, _findings.enabled_by_default()):
+            if self.backend == "sim" and looking_for_waste(self.redundant, _findings.enabled_by_default):
                 self.findings = _findings.Findings()
             # wakes the caller when the last rank thread is through, not when the last
             # rank finishes its function and is still tidying up

@@ -64,10 +64,13 @@ def open_watches() -> tuple[Watch, ...]:
         return tuple(_open)
 
 
-def looking_for_waste(asked: bool | None, default: Any) -> bool:
-    """Whether a world looks for wasted collectives: ``asked`` if given, else no open watch refuses it."""
+def looking_for_waste(asked: bool | None, default: Callable[[], bool]) -> bool:
+    """Whether a world looks for wasted collectives: ``asked`` if given, else no open watch refuses it.
+
+    ``default()``: whether worlds look unless told otherwise, asked only when nothing above decides.
+    """
     if asked is not None:
         return asked
     if any(w.redundant is False for w in open_watches()):
         return False
-    return bool(default)
+    return default()
