@@ -4,7 +4,8 @@ Run: ``python benchmarks/compare_revisions.py BASE [REV ...]`` from the reposito
 ``python benchmarks/compare_revisions.py 1ddeaf9 HEAD`` (``.`` is the working tree as it is,
 uncommitted edits included; the default REV). ``--workers K`` processes per revision,
 ``--rounds N``, ``--rows setup all_reduce`` to take only some rows, ``--line 1.03`` marks
-the rows slower than that.
+the rows slower than that. ``--tricks``: ``bench_tricks.py``'s rows instead, each trick
+shipped and plain (the rows both revisions have, by name).
 
 Each revision is exported (``git archive``) into a temporary folder, and each of its
 worker processes imports that tree's meshsim and runs that tree's own
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,19 +39,37 @@ REPO = Path(__file__).resolve().parent.parent
 _WORKER = r"""
 import importlib.util, json, statistics, sys, time
 tree = sys.argv[1]
-spec = importlib.util.spec_from_file_location("bench", tree + "/benchmarks/bench_meshsim.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, tree + "/benchmarks/" + name + ".py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+bench = load("bench_meshsim")
 import meshsim
 if not meshsim.__file__.startswith(tree):
     sys.exit(f"imported meshsim from {meshsim.__file__}, not from the tree {tree}")
 runners = bench._runners()
+tricks = None
 def noop():
     return 0.0
 print(json.dumps("ready"), flush=True)
 for line in sys.stdin:
     kind, runner, ws, n = line.rstrip("\n").split("|")
     ws, n = int(ws), int(n)
+    if kind in ("trick", "tricks") and tricks is None:
+        tricks = {row[0]: row for row in load("bench_tricks").ROWS}
+    if kind == "tricks":  # the names of bench_tricks.py's rows
+        print(json.dumps(list(tricks)), flush=True)
+        continue
+    if kind == "trick":  # bench_tricks.py's row named runner: ws 0 the shipped variant, 1 the plain
+        if runner not in tricks:
+            print(json.dumps(None), flush=True)
+            continue
+        _, shipped, plain, measure, reps = tricks[runner]
+        with (plain if ws else shipped)():
+            microseconds = measure(reps)
+        print(json.dumps(microseconds), flush=True)
+        continue
     run = runners[runner]
     if kind == "setup":
         run(noop, ws)
@@ -107,7 +127,8 @@ class _Worker:
         )
         self.ask_raw(None)
 
-    def ask_raw(self, row: str | None) -> float:
+    def ask(self, row: str | None) -> Any:
+        """The worker's answer to ``row`` (None: only read its next line)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         if row is not None:
             self.proc.stdin.write(row + "\n")
@@ -116,6 +137,12 @@ class _Worker:
         if not answer:
             raise SystemExit(f"a worker for {self.tree} ended (exit status {self.proc.wait(30)})")
         value = json.loads(answer)
+        if value is None:
+            raise SystemExit(f"{self.tree}'s benchmarks have no row {row!r}")
+        return value
+
+    def ask_raw(self, row: str | None) -> float:
+        value = self.ask(row)
         return float(value) if value != "ready" else 0.0
 
     def close(self) -> None:
@@ -144,10 +171,13 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None, choices=[*OPS, "setup"], help="only these rows")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], choices=sorted(CALLS))
     parser.add_argument("--line", type=float, default=1.03, help="mark ratios above this (default 1.03)")
+    parser.add_argument("--tricks", action="store_true", help="bench_tricks.py's rows, shipped and plain")
     args = parser.parse_args()
     for name in ("workers", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.tricks and args.rows:
+        parser.error("--rows picks bench_meshsim.py's rows, --tricks bench_tricks.py's: one or the other")
     revs = [args.base, *args.revs]
     if len(set(revs)) != len(revs):
         parser.error(f"each revision once, got {revs}")
@@ -158,6 +188,10 @@ def main() -> None:
         trees = {rev: _export(rev, scratch, i) for i, rev in enumerate(revs)}
         workers = {rev: [_Worker(trees[rev]) for _ in range(args.workers)] for rev in revs}
         keys = [(rev, j) for rev in revs for j in range(args.workers)]
+        if args.tricks:  # the rows every revision's bench_tricks.py has, each shipped (0) and plain (1)
+            names = [workers[rev][0].ask("tricks|-|0|0") for rev in revs]
+            common = [name for name in names[0] if all(name in other for other in names[1:])]
+            rows = [("trick", name, variant, 0) for name in common for variant in (0, 1)]
         for row in rows:  # warm every worker on every row
             for rev, j in keys:
                 workers[rev][j].ask_raw("|".join(map(str, row)))
@@ -179,17 +213,19 @@ def main() -> None:
 
 def _print(got: Table, revs: list[str], args: argparse.Namespace) -> None:
     base = revs[0]
+    unit = "us as bench_tricks.py measures each row" if args.tricks else "us per call (per world for setup)"
     print(
         f"{args.rounds} rounds, {args.workers} worker processes per revision (a round takes their median); "
-        f"us per call (per world for setup); ratio: median over rounds of rev / {base} (range over rounds); "
-        f"* above {args.line}"
+        f"{unit}; ratio: median over rounds of rev / {base} (range over rounds); * above {args.line}"
     )
-    head = ["row", "runner", "ws", *revs, *(f"{rev} / {base}" for rev in revs[1:])]
+    names = ["trick", "variant"] if args.tricks else ["row", "runner", "ws"]
+    head = [*names, *revs, *(f"{rev} / {base}" for rev in revs[1:])]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     over = 0
     for (op, runner, ws, _), per_rev in got.items():
-        cells = [op, runner, str(ws), *(f"{statistics.median(per_rev[rev]):.1f}" for rev in revs)]
+        row = [runner, ("shipped", "plain")[ws]] if args.tricks else [op, runner, str(ws)]
+        cells = [*row, *(f"{statistics.median(per_rev[rev]):.1f}" for rev in revs)]
         for rev in revs[1:]:
             ratios = [a / b for a, b in zip(per_rev[rev], per_rev[base])]
             ratio = statistics.median(ratios)
