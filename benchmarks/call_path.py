@@ -47,14 +47,10 @@ def _observer(module: str) -> bool:
     return module.startswith(OBSERVERS)
 
 
-def _key(path: str) -> str:
-    """A module file's name as :func:`_module` gives it (``_sim/backend``; a package: ``_sim/__init__``)."""
-    return os.path.relpath(path, ROOT).removesuffix(".py").replace(os.sep, "/")
-
-
 def _imports(path: str, package: str) -> set[str]:
     """The meshsim modules (dotted, below ``meshsim.``; ``""``: the package) the file imports at run time."""
-    tree = ast.parse(open(path, encoding="utf-8").read())
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read())
     typing_only = {
         id(inner)
         for node in ast.walk(tree)
@@ -87,7 +83,8 @@ def _import_graph() -> dict[str, set[str]]:
         for name in names:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
-                key = _key(path)
+                key = _module(path)
+                assert key is not None  # below ROOT
                 files[key.removesuffix("__init__").removesuffix("/").replace("/", ".")] = key
                 paths[key] = path
     direct: dict[str, set[str]] = {}

@@ -71,7 +71,7 @@ def enabled_by_default() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
-class collecting(watching):  # a context manager, named as contextlib's are
+class collecting:  # a context manager, named as contextlib's are
     """Collect the findings of every world's calls while the block runs (any thread's), in order.
 
     ``with collecting() as found:`` gives the list the findings go into.
@@ -79,11 +79,14 @@ class collecting(watching):  # a context manager, named as contextlib's are
 
     def __init__(self) -> None:
         self.found: list[Finding] = []
-        super().__init__(Watch(findings=self.found))
+        self._watching = watching(Watch(findings=self.found))
 
-    def __enter__(self) -> list[Finding]:  # type: ignore[override]
-        super().__enter__()
+    def __enter__(self) -> list[Finding]:
+        self._watching.__enter__()
         return self.found
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._watching.__exit__(*exc_info)
 
 
 class Findings(Instrument):
