@@ -409,6 +409,41 @@ def test_processes_the_code_spawns_emulate_too():
     assert _run(body, 1, timeout=180) == ["joined"]
 
 
+def _child_that_exits(folder, status):
+    import atexit
+    import sys
+
+    atexit.register(lambda: (folder / "atexit").write_text("ran"))
+    sys.stdout = open(folder / "stdout", "w", buffering=1 << 16)  # the exit flushes it
+    print("written, not flushed")
+    x = torch.ones(2, device="cuda")  # the child emulates
+    sys.exit(status if x.is_cuda else 99)
+
+
+def test_a_spawned_child_ends_with_its_status_its_atexit_handlers_run_and_its_output_flushed(tmp_path):
+    """A child spawned under emulation ends without finalizing the interpreter, and loses nothing."""
+    import multiprocessing
+
+    def body():
+        statuses = []
+        for status in (0, 3):
+            folder = tmp_path / str(status)
+            folder.mkdir()
+            spawn = multiprocessing.get_context("spawn")
+            child = spawn.Process(target=_child_that_exits, args=(folder, status))
+            child.start()
+            child.join(timeout=60)
+            if child.exitcode is None:
+                child.kill()
+            statuses.append(
+                (child.exitcode, (folder / "atexit").read_text(), (folder / "stdout").read_text())
+            )
+        return statuses
+
+    written = "written, not flushed\n"
+    assert _run(body, 1, timeout=120) == [[(0, "ran", written), (3, "ran", written)]]
+
+
 def test_cuda_only_attention_kernels_called_by_name_compute_on_the_cpu():
     """Ring attention (PhysicsNeMo's) calls CUDA's memory-efficient attention and its backward by name."""
     aten = torch.ops.aten

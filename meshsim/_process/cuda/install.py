@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import sys
 import threading
+import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from meshsim._process.cuda import api, rank, tensors
 from meshsim._process.cuda.spec import ACTIVE, Spec, parse
 
-__all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release"]
+__all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release", "run_spawned"]
 
 # -- install and undo -----------------------------------------------------------------------
 
@@ -97,7 +101,7 @@ def _children_emulate(spec: Spec) -> Callable[[], None]:
     """Processes started with multiprocessing's ``spawn`` (``torch.multiprocessing.spawn``) emulate too.
 
     Such a child is a new interpreter that runs ``-c "...spawn_main(...)"``: the program
-    gets :func:`emulate_in_process` in front of it. Checked with Python 3.10-3.13's
+    runs inside :func:`run_spawned`, which emulates first. Checked with Python 3.10-3.13's
     ``multiprocessing.spawn.get_command_line``.
     """
     import multiprocessing.spawn as mp_spawn
@@ -110,8 +114,8 @@ def _children_emulate(spec: Spec) -> Callable[[], None]:
         if "-c" in line:
             at = line.index("-c") + 1
             line[at] = (
-                f"import meshsim._process.cuda as _c; _c.emulate_in_process({storage!r}, {spec.devices}); "
-                + line[at]
+                "import meshsim._process.cuda.install as _c; "
+                f"_c.run_spawned({storage!r}, {spec.devices}, {line[at]!r})"
             )
         return line
 
@@ -124,6 +128,49 @@ def emulate_in_process(storage: str, devices: int) -> None:
     if spec is not None:
         acquire(spec)
         enter_rank()
+
+
+def run_spawned(storage: str, devices: int, program: str) -> NoReturn:
+    """Run a spawned child's ``-c`` program with CUDA emulated; end the process without finalizing it.
+
+    The child ends as multiprocessing's ``fork`` children do (``os._exit``), once its
+    atexit handlers have run and its output is flushed, with the status the program
+    exited with. Why not a normal interpreter exit: a process group the child made
+    outlives ``destroy_process_group`` under emulation (torch keeps the group of a c10d
+    op that passed through a Python dispatch mode, checked torch 2.11-2.14), so its gloo
+    worker threads are alive when the interpreter finalizes. One that drops the last
+    reference to a tensor then (its Python object needs the GIL) aborts the whole
+    process: "terminate called without an active exception", SIGABRT, after the
+    child's work succeeded.
+    """
+    import __main__
+
+    emulate_in_process(storage, devices)
+    try:
+        exec(compile(program, "<string>", "exec"), vars(__main__))  # what ``python -c`` does
+        status = 0
+    except SystemExit as stop:
+        status = _exit_status(stop.code)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    atexit._run_exitfuncs()  # what finalizing would have run first (CPython 3.10-3.13)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def _exit_status(code: object) -> int:
+    """The process status ``SystemExit(code)`` ends a program with, as the interpreter reckons it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _groups_on_the_storage() -> list[Callable[[], None]]:
