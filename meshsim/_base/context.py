@@ -14,7 +14,9 @@ what is open here?":
   ``gpu_paths`` (DTensor takes its GPU collectives) and ``group_timeout``;
 - ``own_rng`` and ``python_rng`` / ``numpy_rng``: whether the module-level RNG
   functions draw from the rank's own generators, and those generators (made on
-  first draw).
+  first draw);
+- ``child_cpus``: the CPUs a process forked from the thread runs on, where meshsim
+  pinned the thread to fewer (a rank of a serialized world).
 
 The record is a ``threading.local`` whose class attributes are the values of a
 thread that is no rank: reading a field costs one attribute lookup in C, which
@@ -65,6 +67,7 @@ class Context(threading.local):
     own_rng: bool = False
     python_rng: Any = None
     numpy_rng: Any = None
+    child_cpus: frozenset[int] | None = None
 
     def __init__(self) -> None:
         # runs once in each thread that touches the record: every thread its own list

@@ -12,6 +12,13 @@ workers, two test processes) that chose the same CPU, or a busy process already
 on it, would share it for as long as the worlds last and each run several times
 slower, while other CPUs idle. :class:`Starvation` notices: a world whose process
 got well under one CPU over a second gives up its pinning and lets the OS place it.
+
+The pinning is meshsim's, not the rank's: a process forked from a rank thread (a
+``DataLoader``'s workers, multiprocessing's ``fork``) starts on the CPUs the world's
+caller had (the rank context's ``child_cpus``), as it would from a rank in its own
+process; so does a child multiprocessing spawns under CUDA emulation, whose command
+line meshsim writes. Other processes started by ``exec`` (``subprocess``, plain
+multiprocessing ``spawn``) inherit the rank's one CPU: Python runs no hook in them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import os
 import time
 from collections.abc import Callable
 from typing import cast
+
+from meshsim._base.context import current
 
 __all__ = ["Starvation", "affinity", "current_cpu", "may_run_on", "move", "pin", "unpin"]
 
@@ -121,3 +130,18 @@ def current_cpu(allowed: frozenset[int] | None) -> int | None:
 def may_run_on(cpu: int, allowed: frozenset[int] | None) -> bool:
     """Whether the calling thread, which may run on ``allowed``, may be pinned to ``cpu``."""
     return cpu >= 0 and allowed is not None and cpu in allowed
+
+
+def _child_runs_where_the_caller_could() -> None:
+    """In a process just forked from a pinned rank thread: run on the world caller's CPUs."""
+    here = current()  # the forking thread's record, which the child's one thread inherits
+    cpus, here.child_cpus = here.child_cpus, None
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            pass  # the child keeps the rank's CPU: slower, not wrong
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_child_runs_where_the_caller_could)

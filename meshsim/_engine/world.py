@@ -713,6 +713,8 @@ class World:
         # right after a hand-over ran ~3x slower without it). New threads start
         # pinned (see start); a reused one may come from a world pinned elsewhere.
         self.workers[rank].pin(self.cpus)
+        if self.cpu is not None:  # pinned to one CPU: processes the rank forks get the caller's
+            here.child_cpus = self._allowed
         outcome = "stopped: the world failed"
         try:
             self.scheduler.start(rank)
@@ -720,7 +722,7 @@ class World:
         except WorldAborted:
             pass
         finally:
-            here.seat = None
+            here.seat = here.child_cpus = None
             self.scheduler.finish(rank, outcome)
 
     def _serve(self, rank: int, seat: Seat) -> str:

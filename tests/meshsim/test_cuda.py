@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -416,13 +418,20 @@ def _child_that_exits(folder, status):
     atexit.register(lambda: (folder / "atexit").write_text("ran"))
     sys.stdout = open(folder / "stdout", "w", buffering=1 << 16)  # the exit flushes it
     print("written, not flushed")
+    (folder / "cpus").write_text(repr(sorted(os.sched_getaffinity(0))))
     x = torch.ones(2, device="cuda")  # the child emulates
     sys.exit(status if x.is_cuda else 99)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
 def test_a_spawned_child_ends_with_its_status_its_atexit_handlers_run_and_its_output_flushed(tmp_path):
-    """A child spawned under emulation ends without finalizing the interpreter, and loses nothing."""
+    """A child spawned under emulation ends without finalizing the interpreter, and loses nothing.
+
+    Started from a rank pinned to one CPU, it runs where the world's caller may, as a forked child does.
+    """
     import multiprocessing
+
+    caller = sorted(os.sched_getaffinity(0))
 
     def body():
         statuses = []
@@ -436,12 +445,19 @@ def test_a_spawned_child_ends_with_its_status_its_atexit_handlers_run_and_its_ou
             if child.exitcode is None:
                 child.kill()
             statuses.append(
-                (child.exitcode, (folder / "atexit").read_text(), (folder / "stdout").read_text())
+                (
+                    child.exitcode,
+                    (folder / "atexit").read_text(),
+                    (folder / "stdout").read_text(),
+                    (folder / "cpus").read_text(),
+                )
             )
         return statuses
 
     written = "written, not flushed\n"
-    assert _run(body, 1, timeout=120) == [[(0, "ran", written), (3, "ran", written)]]
+    assert _run(body, 1, timeout=120) == [
+        [(0, "ran", written, repr(caller)), (3, "ran", written, repr(caller))]
+    ]
 
 
 def test_cuda_only_attention_kernels_called_by_name_compute_on_the_cpu():

@@ -156,6 +156,31 @@ def test_a_world_runs_where_the_idle_threads_it_reuses_are_pinned(monkeypatch: p
     assert meshsim.run(lambda: os.sched_getaffinity(0), 2) == [{cpu}, {cpu}]
 
 
+def _affinity_of_a_forked_child() -> tuple[set[int], set[int]]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        os.write(write, ",".join(map(str, sorted(os.sched_getaffinity(0)))).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = {int(cpu) for cpu in pipe.read().split(",")}
+    os.waitpid(pid, 0)
+    return os.sched_getaffinity(0), child
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs fork and two CPUs to choose from",
+)
+def test_a_process_forked_from_a_pinned_rank_runs_where_the_caller_may() -> None:
+    # A DataLoader's workers, forked from a rank, run as they would from a rank in its own process.
+    caller = os.sched_getaffinity(0)
+    (rank, child), _ = meshsim.run(_affinity_of_a_forked_child, 2)
+    assert len(rank) == 1 and child == caller, (rank, child, caller)
+    assert _affinity_of_a_forked_child() == (caller, caller)  # outside a world nothing changes
+
+
 def test_a_world_that_cannot_install_itself_leaves_the_idle_threads_it_would_have_reused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

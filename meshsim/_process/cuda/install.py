@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from meshsim._base.context import current
 from meshsim._process.cuda import api, rank, tensors
 from meshsim._process.cuda.spec import ACTIVE, Spec, parse
 
@@ -113,9 +114,11 @@ def _children_emulate(spec: Spec) -> Callable[[], None]:
         line = list(original(**kwds))
         if "-c" in line:
             at = line.index("-c") + 1
+            cpus = current().child_cpus  # started from a rank pinned to one CPU: the caller's CPUs
             line[at] = (
                 "import meshsim._process.cuda.install as _c; "
-                f"_c.run_spawned({storage!r}, {spec.devices}, {line[at]!r})"
+                f"_c.run_spawned({storage!r}, {spec.devices}, {line[at]!r}, "
+                f"{sorted(cpus) if cpus is not None else None!r})"
             )
         return line
 
@@ -130,8 +133,11 @@ def emulate_in_process(storage: str, devices: int) -> None:
         enter_rank()
 
 
-def run_spawned(storage: str, devices: int, program: str) -> NoReturn:
+def run_spawned(storage: str, devices: int, program: str, cpus: list[int] | None = None) -> NoReturn:
     """Run a spawned child's ``-c`` program with CUDA emulated; end the process without finalizing it.
+
+    ``cpus``: where the child runs, when a rank pinned to one CPU started it (as a forked
+    child does, see :mod:`meshsim._engine.affinity`).
 
     The child ends as multiprocessing's ``fork`` children do (``os._exit``), once its
     atexit handlers have run and its output is flushed, with the status the program
@@ -145,6 +151,11 @@ def run_spawned(storage: str, devices: int, program: str) -> NoReturn:
     """
     import __main__
 
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            pass  # the child keeps the rank's CPU: slower, not wrong
     emulate_in_process(storage, devices)
     try:
         exec(compile(program, "<string>", "exec"), vars(__main__))  # what ``python -c`` does
