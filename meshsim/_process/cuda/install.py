@@ -144,10 +144,10 @@ def run_spawned(storage: str, devices: int, program: str, cpus: list[int] | None
     exited with. Why not a normal interpreter exit: a process group the child made
     outlives ``destroy_process_group`` under emulation (torch keeps the group of a c10d
     op that passed through a Python dispatch mode, checked torch 2.11-2.14), so its gloo
-    worker threads are alive when the interpreter finalizes. One that drops the last
-    reference to a tensor then (its Python object needs the GIL) aborts the whole
-    process: "terminate called without an active exception", SIGABRT, after the
-    child's work succeeded.
+    worker threads still run while the interpreter tears down and C++ static destructors
+    run. Such a child was seen to abort there (SIGABRT, "terminate called without an
+    active exception"); meshsim's own spawned ranks end with ``os._exit`` for the same
+    reason (:mod:`meshsim._modes.spawn`).
     """
     import __main__
 
