@@ -145,7 +145,7 @@ def run_spawned(storage: str, devices: int, program: str, cpus: list[int] | None
     outlives ``destroy_process_group`` under emulation (torch keeps the group of a c10d
     op that passed through a Python dispatch mode, checked torch 2.11-2.14), so its gloo
     worker threads still run while the interpreter tears down and C++ static destructors
-    run. Such a child was seen to abort there (SIGABRT, "terminate called without an
+    run. Such a child was seen to abort (SIGABRT, "terminate called without an
     active exception"); meshsim's own spawned ranks end with ``os._exit`` for the same
     reason (:mod:`meshsim._modes.spawn`).
     """
