@@ -39,7 +39,7 @@ class Session:
         backend: str = "sim",
         timeout: float = 60.0,
         gpu_paths: bool = True,
-        num_threads: int | None = 1,
+        num_threads: int | str | None = 1,
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
         self.world_size = world_size

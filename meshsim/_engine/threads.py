@@ -60,6 +60,7 @@ MAX_IDLE = 64  # idle threads kept at most; the rest of a bigger world's exit
 IDLE_LIFETIME = 10.0  # seconds an idle thread waits for work before it exits
 _POLL = 1.0  # seconds between the reaper's rounds
 _IDLE_NAME = "meshsim-idle"
+_GRAIN = 32768  # torch.internal::GRAIN_SIZE: below it an op runs on one thread (torch 2.11-2.14)
 
 
 class Countdown:
@@ -102,6 +103,7 @@ class Worker:
         self.busy = False  # between assign() and the end of the job
         self.usable = True  # as good as new after its last job
         self.cpus: frozenset[int] | None = None  # its affinity, where it was set
+        self.team = 1  # the intra-op threads started while it ran unpinned (see start_team)
         self.idle_since = 0.0  # when it last went back to the pool
         self._job: Callable[[], None] | None = None
         self._countdown: Countdown | None = None
@@ -125,6 +127,23 @@ class Worker:
         if cpus is not None and cpus != self.cpus:
             os.sched_setaffinity(0, cpus)
             self.cpus = cpus
+
+    def start_team(self, threads: int, cpus: frozenset[int] | None) -> None:
+        """Start the intra-op team of ``threads`` threads on ``cpus`` (call from the worker's own thread).
+
+        A pinned rank keeps its hand-overs on one CPU; the threads its kernels fan out to
+        should not share that CPU. torch's OpenMP team is made once per thread, by the
+        first parallel region that needs it, and its threads take the affinity the thread
+        has then: started here, unpinned, they run on ``cpus`` while the rank thread is
+        pinned again. A team already this large is reused (libgomp keeps a thread's team;
+        checked with torch 2.11-2.14's CPU builds).
+        """
+        if threads <= self.team or cpus is None:
+            return
+        self.pin(cpus)
+        # one chunk per thread of at least torch's grain size (32768 elements): every thread runs
+        torch.empty(threads * _GRAIN).fill_(0.0)
+        self.team = threads
 
     def move(self, cpus: frozenset[int]) -> None:
         """Run on ``cpus`` from now on (call from another thread: the world's supervisor)."""

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._C._distributed_c10d import Store
@@ -74,7 +74,7 @@ def run(
     backend: str = "sim",
     serialize: bool = True,
     gpu_paths: bool = True,
-    num_threads: int | None = 1,
+    num_threads: int | str | None = 1,
     redundant: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
     cuda: str | None = None,
@@ -105,7 +105,10 @@ def run(
         gpu_paths: where torch takes a different collective on CPU meshes than on
             GPUs (DTensor Shard->Shard is all_gather+chunk on CPU, all_to_all on
             CUDA), take the GPU path, so ledgers show what GPUs do.
-        num_threads: ``torch.set_num_threads`` in each rank thread; None leaves it.
+        num_threads: ``torch.set_num_threads`` in each rank thread; ``"auto"``: one per
+            CPU the caller may use; None leaves it. With more than one, the threads a rank's
+            kernels fan out to run on the caller's CPUs while the rank thread stays on the
+            world's one CPU (one rank runs at a time: its kernels have the CPUs to themselves).
         redundant: look for wasted collectives (calls that could not tell any rank
             anything new: ``Collective.redundant`` in ledgers). None (the default):
             on unless ``MESHSIM_REDUNDANT=0`` is in the environment. ``sim`` only.
@@ -217,10 +220,40 @@ def _check_args(world_size: Any, timeout: Any, backend: Any, num_threads: Any) -
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    if num_threads is not None and (
-        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    if (
+        num_threads is not None
+        and num_threads != "auto"
+        and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1)
     ):
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {num_threads!r}")
+
+
+def _threads_for(num_threads: int | str | None) -> int | None:
+    """A rank's intra-op threads: ``"auto"`` is one per CPU the caller may use."""
+    if num_threads != "auto":
+        return cast("int | None", num_threads)
+    allowed = _affinity.affinity()
+    return len(allowed) if allowed is not None else os.cpu_count() or 1
+
+
+def num_threads_from_environment() -> int | str:
+    """``MESHSIM_NUM_THREADS`` (a positive int or ``auto``; 1 where unset), for the worlds of meshsim's faces.
+
+    Raises:
+        ValueError: the variable holds anything else.
+    """
+    text = os.environ.get("MESHSIM_NUM_THREADS", "").strip()
+    if not text:
+        return 1
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"MESHSIM_NUM_THREADS must be a positive int or 'auto', got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -276,7 +309,7 @@ class World:
         backend: str = "sim",
         serialize: bool = True,
         gpu_paths: bool = True,
-        num_threads: int | None = 1,
+        num_threads: int | str | None = 1,
         redundant: bool | None = None,
         cuda: str | None = None,
     ) -> None:
@@ -296,7 +329,7 @@ class World:
         self.kind: Ranks = ranks_for(backend, serialize=serialize and backend == "sim")
         self.serialize = serialize and backend == "sim"
         self.gpu_paths = gpu_paths
-        self.num_threads = num_threads
+        self.num_threads = _threads_for(num_threads)
         self.redundant = redundant
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
@@ -712,6 +745,8 @@ class World:
         # torch's per-thread state warm in one cache across hand-overs (torch calls
         # right after a hand-over ran ~3x slower without it). New threads start
         # pinned (see start); a reused one may come from a world pinned elsewhere.
+        if num_threads > 1 and self.cpu is not None:
+            self.workers[rank].start_team(num_threads, self._allowed)
         self.workers[rank].pin(self.cpus)
         if self.cpu is not None:  # pinned to one CPU: processes the rank forks get the caller's
             here.child_cpus = self._allowed

@@ -37,6 +37,7 @@ def run_on_threads(
     *,
     backend: str,
     timeout: float,
+    num_threads: int | str | None = 1,
     record: bool = False,
 ) -> list[Ledger | None]:
     """Run the test body on ``world_size`` thread ranks (``backend`` "sim" or "gloo").
@@ -45,4 +46,11 @@ def run_on_threads(
         each rank's ledger of the body, rank 0's first: recorded when ``record`` is
         true or the test asked for its ``ledger``, else None.
     """
-    return run(_body, world_size, args=(test, funcargs, record), backend=backend, timeout=timeout)
+    return run(
+        _body,
+        world_size,
+        args=(test, funcargs, record),
+        backend=backend,
+        timeout=timeout,
+        num_threads=num_threads,
+    )

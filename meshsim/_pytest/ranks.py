@@ -108,7 +108,15 @@ def _run_ranks(
     from meshsim._modes.thread_ranks import run_on_threads
 
     try:
-        return run_on_threads(test, funcargs, size, backend=backend, timeout=state.timeout, record=record)
+        return run_on_threads(
+            test,
+            funcargs,
+            size,
+            backend=backend,
+            timeout=state.timeout,
+            num_threads=state.num_threads,
+            record=record,
+        )
     except RankError as error:
         raise decided(error) from None
 

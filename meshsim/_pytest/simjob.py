@@ -78,13 +78,21 @@ class SimulatedJob:
         world_size: ranks of the job (``--world-size``).
         backend: ``"sim"`` or ``"gloo"``.
         timeout: the world's timeout (``--mesh-timeout``).
+        num_threads: each rank's intra-op threads (``MESHSIM_NUM_THREADS``).
     """
 
-    def __init__(self, config: pytest.Config, world_size: int, backend: str, timeout: float) -> None:
+    def __init__(
+        self,
+        config: pytest.Config,
+        world_size: int,
+        backend: str,
+        timeout: float,
+        num_threads: int | str | None = 1,
+    ) -> None:
         self.config = config
         self.world_size = world_size
         self.backend = backend
-        self.session = Session(world_size, backend=backend, timeout=timeout)
+        self.session = Session(world_size, backend=backend, timeout=timeout, num_threads=num_threads)
         self._fixtures: dict[int, RankFixtures] = {}  # each rank's, in the current world
         self._fixtures_world = 0  # which world they belong to
         self._wrapped: list[tuple[Any, Callable[..., Any]]] = []  # (hook impl, its own function)

@@ -28,6 +28,7 @@ class PluginState:
 
     Attributes:
         backend, world_size, timeout: ``--mesh-backend``, ``--world-size``, ``--mesh-timeout``.
+        num_threads: the intra-op threads of each simulated rank (``MESHSIM_NUM_THREADS``).
         suite: ``"static"`` or ``"dynamic"``: the suite ``--multigpu-*`` selects (None: all tests).
         owns_suite_options: meshsim defined ``--multigpu-static`` / ``-dynamic`` (no conftest did).
         static: under torchrun, this process's rank of the job.
@@ -42,6 +43,7 @@ class PluginState:
     backend: str
     world_size: int
     timeout: float
+    num_threads: int | str = 1
     suite: str | None = None
     owns_suite_options: bool = False
     static: StaticSession | None = None
@@ -63,9 +65,16 @@ def state_of(config: pytest.Config) -> PluginState:
     """The run's state, made from the options when first asked."""
     state = config.stash.get(_STATE, None)
     if state is None:
+        from meshsim._engine.world import num_threads_from_environment
+
+        try:
+            num_threads = num_threads_from_environment()
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
         state = config.stash[_STATE] = PluginState(
             config.getoption("mesh_backend"),
             config.getoption("world_size"),
             config.getoption("mesh_timeout"),
+            num_threads,
         )
     return state

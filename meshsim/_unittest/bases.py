@@ -41,7 +41,7 @@ from torch.testing._internal.distributed._tensor import common_dtensor
 
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.errors import MeshError, RankError
-from meshsim._engine.world import run_ranks
+from meshsim._engine.world import num_threads_from_environment, run_ranks
 
 __all__ = [
     "DTensorOpTestBase",
@@ -191,7 +191,12 @@ class _SimTestCase(_TorchTestCase):  # type: ignore[misc]
             # gpu_paths=False: torch's own collectives for the mesh's device (all_gather+chunk
             # for Shard->Shard on CPU), which torch's tests count on when there is no GPU
             run_ranks(
-                _run_rank, world_size, args=(instances, args, kwargs), timeout=_timeout(), gpu_paths=False
+                _run_rank,
+                world_size,
+                args=(instances, args, kwargs),
+                timeout=_timeout(),
+                gpu_paths=False,
+                num_threads=num_threads_from_environment(),
             )
         except RankError as error:
             failure = error

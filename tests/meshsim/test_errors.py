@@ -288,9 +288,10 @@ def test_next_world_runs_after_failures() -> None:
         ({"world_size": True}, TypeError, "world_size must be an int, got True"),
         ({"timeout": -1}, ValueError, "timeout must be a positive, finite number of seconds, got -1"),
         ({"backend": "nccl"}, ValueError, "backend must be one of 'sim', 'gloo', got 'nccl'"),
-        ({"num_threads": 0}, ValueError, "num_threads must be a positive int or None, got 0"),
+        ({"num_threads": 0}, ValueError, "num_threads must be a positive int, 'auto' or None, got 0"),
+        ({"num_threads": "all"}, ValueError, "num_threads must be a positive int, 'auto' or None, got 'all'"),
     ],
-    ids=["ws0", "ws-str", "ws-bool", "timeout", "backend", "threads"],
+    ids=["ws0", "ws-str", "ws-bool", "timeout", "backend", "threads", "threads-str"],
 )
 def test_bad_arguments_to_run(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     args = {"world_size": 2, **kwargs}

@@ -156,6 +156,40 @@ def test_a_world_runs_where_the_idle_threads_it_reuses_are_pinned(monkeypatch: p
     assert meshsim.run(lambda: os.sched_getaffinity(0), 2) == [{cpu}, {cpu}]
 
 
+def _threads_of_the_process() -> dict[int, set[int]]:
+    """Every thread of this process (Python's and native ones) and the CPUs it may run on."""
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            found[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+def _a_rank_with_two_intra_op_threads() -> tuple[set[int], int]:
+    torch.ones(1 << 17).add_(1)  # a kernel large enough to fan out
+    return os.sched_getaffinity(0), torch.get_num_threads()
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux's per-thread affinities and two CPUs",
+)
+def test_a_pinned_ranks_intra_op_threads_run_on_the_callers_cpus() -> None:
+    # The rank stays on one CPU (cheap hand-overs); the threads its kernels fan out to must
+    # not share it, or num_threads > 1 buys nothing.
+    meshsim.end_idle_threads()
+    caller = os.sched_getaffinity(0)
+    before = _threads_of_the_process()
+    ranks = meshsim.run(_a_rank_with_two_intra_op_threads, 2, num_threads=2)
+    assert all(len(cpus) == 1 and threads == 2 for cpus, threads in ranks), ranks
+    python_threads = {thread.native_id for thread in threading.enumerate()}
+    native = {tid: cpus for tid, cpus in _threads_of_the_process().items() if tid not in before}
+    native = {tid: cpus for tid, cpus in native.items() if tid not in python_threads}
+    assert sum(cpus == caller for cpus in native.values()) >= 2, (native, caller)
+
+
 def _affinity_of_a_forked_child() -> tuple[set[int], set[int]]:
     read, write = os.pipe()
     pid = os.fork()
