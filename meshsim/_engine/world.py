@@ -247,13 +247,9 @@ def num_threads_from_environment() -> int | str:
         return 1
     if text.lower() == "auto":
         return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"MESHSIM_NUM_THREADS must be a positive int or 'auto', got {text!r}")
-    return value
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"MESHSIM_NUM_THREADS must be a positive int or 'auto', got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -745,10 +741,11 @@ class World:
         # torch's per-thread state warm in one cache across hand-overs (torch calls
         # right after a hand-over ran ~3x slower without it). New threads start
         # pinned (see start); a reused one may come from a world pinned elsewhere.
-        if num_threads > 1 and self.cpu is not None:
+        pinned = self.cpu is not None
+        if pinned and num_threads > 1:  # its kernels' threads run where the caller may
             self.workers[rank].start_team(num_threads, self._allowed)
         self.workers[rank].pin(self.cpus)
-        if self.cpu is not None:  # pinned to one CPU: processes the rank forks get the caller's
+        if pinned:  # processes the rank forks run where the caller may, too
             here.child_cpus = self._allowed
         outcome = "stopped: the world failed"
         try:
