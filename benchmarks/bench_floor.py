@@ -29,6 +29,13 @@ is a slice of torch's ``test_graph_based_redistribute_cost`` (``_distribute_tens
 orders, ``redistribute_cost`` with the graph-based planner) on a (2, 2, 2) mesh at 8 ranks,
 (2, 2) at 4. A cell that does not run says why below the table.
 
+``--split`` prints a second table instead: each rank's CPU time per step (``time.thread_time``,
+so hand-overs do not blur it), split into the time inside the collectives (DTensor's
+functional ones, ``torch.distributed._functional_collectives``, the call and its wait; the
+``torch.distributed`` calls FSDP2 makes; meshsim's hand-overs included) and everything else,
+meshsim against the fake rank. It says which part of the gap in ``ms/fake`` is the
+collective path and which is the program's own code running slower.
+
 Every rank and the fake/local runs use one intra-op thread (``torch.set_num_threads(1)``, as
 meshsim's ranks do by default). Not a test: nothing here asserts a speed.
 """
@@ -282,6 +289,145 @@ def run_threaded(program: Program, ws: int, steps: int) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
+# -- --split: each rank's CPU inside the collectives DTensor and FSDP2 call, and outside them --
+
+# What DTensor calls for its collectives (module attributes looked up at each call), and the
+# tensor subclass whose wait ends an asynchronous one. torch.distributed._functional_collectives
+# is private: these names are checked on torch 2.11 to 2.14; a name that is missing is skipped.
+_FUNCOL_CALLS = (
+    "all_gather_single",
+    "all_gather_tensor",
+    "all_reduce",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "wait_tensor",
+)
+# and what FSDP2 calls (torch.distributed's functions: the *_single names are newer torch's)
+_DIST_CALLS = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+)
+
+
+class _CollectiveClock:
+    """Each thread's CPU time inside the functional collectives (the outermost call only)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self.inside: dict[int, int] = {}
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        local, inside = self._local, self.inside
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(local, "depth", 0)
+            local.depth = depth + 1
+            start = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                local.depth = depth
+                if depth == 0:
+                    me = threading.get_ident()
+                    inside[me] = inside.get(me, 0) + time.thread_time_ns() - start
+
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        import torch.distributed._functional_collectives as funcol
+
+        saved: list[tuple[Any, str, Any]] = [
+            (funcol, name, getattr(funcol, name)) for name in _FUNCOL_CALLS if hasattr(funcol, name)
+        ]
+        saved += [(dist, name, getattr(dist, name)) for name in _DIST_CALLS if hasattr(dist, name)]
+        saved.append((funcol.AsyncCollectiveTensor, "wait", funcol.AsyncCollectiveTensor.wait))
+        for owner, name, fn in saved:
+            setattr(owner, name, self.wrap(fn))
+        try:
+            yield
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
+
+    def measure(self, step: Step, steps: int) -> tuple[float, float]:
+        """This thread's CPU seconds per step: in all, and inside the collectives."""
+        me = threading.get_ident()
+        self.inside[me] = 0
+        start = time.thread_time_ns()
+        _loop(step, steps)
+        total = time.thread_time_ns() - start
+        return total / steps / 1e9, self.inside[me] / steps / 1e9
+
+
+def split_meshsim(program: Program, ws: int, steps: int, clock: _CollectiveClock) -> tuple[float, float]:
+    def body() -> tuple[float, float]:
+        step = program.setup(ws)
+        step()
+        dist.barrier()
+        return clock.measure(step, steps)
+
+    per_rank = meshsim.run(body, ws, gpu_paths=False, timeout=300)
+    return statistics.mean(t for t, _ in per_rank), statistics.mean(i for _, i in per_rank)
+
+
+def split_fake(program: Program, ws: int, steps: int, clock: _CollectiveClock) -> tuple[float, float]:
+    with _fake_group(ws):
+        step = program.setup(ws)
+        step()
+        return clock.measure(step, steps)
+
+
+def run_split(programs: list[Program], sizes: list[int], rounds: int, quick: bool) -> None:
+    clock = _CollectiveClock()
+    got: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    failed: set[tuple[str, int, str]] = set()
+    with clock.installed():
+        for round_ in range(rounds):
+            for ws in sizes:
+                for program in programs:
+                    steps = max(1, program.steps // 2) if quick else program.steps
+                    sides = (("meshsim", split_meshsim), ("fake", split_fake))
+                    for side, run in sides if round_ % 2 == 0 else sides[::-1]:
+                        key = (program.name, ws, side)
+                        if key in failed:
+                            continue
+                        try:
+                            got.setdefault(key, []).append(run(program, ws, steps, clock))
+                        except Exception as exc:  # said here, the row left out
+                            failed.add(key)
+                            got.pop(key, None)
+                            print(f"not run: {program.name} at {ws}, {side}: {_why(exc)}")
+    print(
+        f"each rank's CPU (us per step, medians over {rounds} rounds): in the collectives (DTensor's\n"
+        "functional ones, call and wait; FSDP2's torch.distributed calls; meshsim's hand-overs included)\n"
+        "and outside them"
+    )
+    header = (
+        f"{'program':24} {'ws':>3} {'meshsim in':>10} {'fake in':>8} {'extra in':>8} "
+        f"{'meshsim out':>11} {'fake out':>8} {'extra out':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for program in programs:
+        for ws in sizes:
+            mine, fake = got.get((program.name, ws, "meshsim")), got.get((program.name, ws, "fake"))
+            if not mine or not fake:
+                continue
+            m_in = statistics.median(i for _, i in mine) * 1e6
+            m_out = statistics.median(t - i for t, i in mine) * 1e6
+            f_in = statistics.median(i for _, i in fake) * 1e6
+            f_out = statistics.median(t - i for t, i in fake) * 1e6
+            print(
+                f"{program.name:24} {ws:>3} {m_in:10.1f} {f_in:8.1f} {m_in - f_in:+8.1f} "
+                f"{m_out:11.1f} {f_out:8.1f} {m_out - f_out:+9.1f}"
+            )
+
+
 RUNNERS: dict[str, Callable[[Program, int, int], float]] = {
     "meshsim": run_meshsim,
     "N x fake": run_fake,
@@ -297,11 +443,19 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8], help="world sizes (default 4 8)")
     parser.add_argument("--only", nargs="+", default=None, help="programs whose name starts so")
     parser.add_argument("--sides", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    parser.add_argument(
+        "--split", action="store_true", help="each rank's CPU in and out of the collectives, meshsim and fake"
+    )
     args = parser.parse_args()
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
     programs = [p for p in PROGRAMS if args.only is None or any(p.name.startswith(o) for o in args.only)]
+    if not programs:
+        parser.error(f"--only {args.only} matches no program; the programs: {[p.name for p in PROGRAMS]}")
+    if args.split:
+        run_split(programs, args.sizes, rounds, args.quick)
+        return
     sides = list(args.sides)
     table: dict[tuple[str, int, str], list[float]] = {}
     skipped: dict[tuple[str, int, str], str] = {}
