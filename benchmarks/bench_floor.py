@@ -198,6 +198,11 @@ PROGRAMS = [
 ]
 
 
+def _steps(program: Program, quick: bool) -> int:
+    """The timed steps per run (``--quick`` halves them)."""
+    return max(1, program.steps // 2) if quick else program.steps
+
+
 def _timed(step: Step, steps: int) -> tuple[float, float]:
     step()  # warm-up: caches, first-use imports
     return _loop(step, steps)
@@ -293,7 +298,8 @@ def run_threaded(program: Program, ws: int, steps: int) -> float:
 
 # What DTensor calls for its collectives (module attributes looked up at each call), and the
 # tensor subclass whose wait ends an asynchronous one. torch.distributed._functional_collectives
-# is private: these names are checked on torch 2.11 to 2.14; a name that is missing is skipped.
+# is private: these names were looked up on torch 2.11, 2.13 and 2.14 (2.11 has no *_single
+# ones); a name that is missing is skipped.
 _FUNCOL_CALLS = (
     "all_gather_single",
     "all_gather_tensor",
@@ -314,7 +320,7 @@ _DIST_CALLS = (
 
 
 class _CollectiveClock:
-    """Each thread's CPU time inside the functional collectives (the outermost call only)."""
+    """Each thread's CPU time inside the wrapped collectives (the outermost call only)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -390,7 +396,7 @@ def run_split(programs: list[Program], sizes: list[int], rounds: int, quick: boo
         for round_ in range(rounds):
             for ws in sizes:
                 for program in programs:
-                    steps = max(1, program.steps // 2) if quick else program.steps
+                    steps = _steps(program, quick)
                     sides = (("meshsim", split_meshsim), ("fake", split_fake))
                     for side, run in sides if round_ % 2 == 0 else sides[::-1]:
                         key = (program.name, ws, side)
@@ -463,7 +469,7 @@ def main() -> None:
         order = sides if round_ % 2 == 0 else sides[::-1]
         for ws in args.sizes:
             for program in programs:
-                steps = max(1, program.steps // 2) if args.quick else program.steps
+                steps = _steps(program, args.quick)
                 for side in order:
                     key = (program.name, ws, side)
                     if key in skipped:
