@@ -32,7 +32,8 @@ orders, ``redistribute_cost`` with the graph-based planner) on a (2, 2, 2) mesh 
 ``--split`` prints a second table instead: each rank's CPU time per step (``time.thread_time``,
 so hand-overs do not blur it), split into the time inside the collectives (DTensor's
 functional ones, ``torch.distributed._functional_collectives``, the call and its wait; the
-``torch.distributed`` calls FSDP2 makes; meshsim's hand-overs included) and everything else,
+``torch.distributed`` calls FSDP2 makes; the scatter and broadcast ``distribute_tensor`` makes;
+meshsim's hand-overs included) and everything else,
 meshsim against the fake rank. It says which part of the gap in ``ms/fake`` is the
 collective path and which is the program's own code running slower.
 
@@ -318,6 +319,11 @@ _DIST_CALLS = (
     "all_reduce",
 )
 
+# and what distribute_tensor calls to send rank 0's data (src_data_rank=0): mesh_scatter and
+# mesh_broadcast look these names up in the private torch.distributed.tensor._collective_utils
+# (imported there from distributed_c10d in torch 2.11, 2.13 and 2.14)
+_MESH_CALLS = ("scatter", "broadcast")
+
 
 class _CollectiveClock:
     """Each thread's CPU time inside the wrapped collectives (the outermost call only)."""
@@ -346,11 +352,13 @@ class _CollectiveClock:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         import torch.distributed._functional_collectives as funcol
+        import torch.distributed.tensor._collective_utils as utils
 
         saved: list[tuple[Any, str, Any]] = [
             (funcol, name, getattr(funcol, name)) for name in _FUNCOL_CALLS if hasattr(funcol, name)
         ]
         saved += [(dist, name, getattr(dist, name)) for name in _DIST_CALLS if hasattr(dist, name)]
+        saved += [(utils, name, getattr(utils, name)) for name in _MESH_CALLS if hasattr(utils, name)]
         saved.append((funcol.AsyncCollectiveTensor, "wait", funcol.AsyncCollectiveTensor.wait))
         for owner, name, fn in saved:
             setattr(owner, name, self.wrap(fn))
@@ -410,7 +418,8 @@ def run_split(programs: list[Program], sizes: list[int], rounds: int, quick: boo
                             print(f"not run: {program.name} at {ws}, {side}: {_why(exc)}")
     print(
         f"each rank's CPU (us per step, medians over {rounds} rounds): in the collectives (DTensor's\n"
-        "functional ones, call and wait; FSDP2's torch.distributed calls; meshsim's hand-overs included)\n"
+        "functional ones, call and wait; FSDP2's torch.distributed calls; distribute_tensor's scatter\n"
+        "and broadcast; meshsim's hand-overs included)\n"
         "and outside them"
     )
     header = (
