@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_floor  # the sibling script, found through the path above
 
 from meshsim._engine import affinity
+from meshsim._sim.work import completed  # meshsim's own completed Work: the same cost on both sides
 
 BACKEND = "benchnull"
 JOIN_TIMEOUT = 300.0  # seconds a null world may take before it is failed
@@ -70,34 +71,6 @@ Move = Callable[[list[Any]], None]
 
 class _Failed(Exception):
     """The null world was failed from outside (a rank raised, or it ran past its time)."""
-
-
-class _Done(dist.Work):
-    """A completed Work: every null collective is complete when its call returns."""
-
-    def __init__(self, result: list[Tensor]) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: object = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def result(self) -> list[Tensor]:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future[list[Tensor]]:
-        future: torch.futures.Future[list[Tensor]] = torch.futures.Future()
-        future.set_result(self._result)
-        return future
 
 
 class _Slot:
@@ -197,7 +170,7 @@ class _NullGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
         self._meet(None, lambda args: None)
-        return _Done([])
+        return completed([])
 
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
@@ -209,7 +182,7 @@ class _NullGroup(dist.ProcessGroup):
                         mine[i].copy_(source)
 
         self._meet(list(tensors), move)
-        return _Done(list(tensors))
+        return completed(list(tensors))
 
     def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
@@ -220,7 +193,7 @@ class _NullGroup(dist.ProcessGroup):
                 outs[0].copy_(pieces[rank])
 
         self._meet((outputs, input_lists), move)
-        return _Done(list(outputs))
+        return completed(list(outputs))
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         def move(args: list[list[Tensor]]) -> None:  # SUM: the only op these programs reduce with
@@ -230,7 +203,7 @@ class _NullGroup(dist.ProcessGroup):
                     mine[i].copy_(total)
 
         self._meet(list(tensors), move)
-        return _Done(list(tensors))
+        return completed(list(tensors))
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
@@ -242,7 +215,7 @@ class _NullGroup(dist.ProcessGroup):
                     outs[i].copy_(full.view_as(outs[i]))
 
         self._meet((list(outputs), list(inputs)), move)
-        return _Done(list(outputs))
+        return completed(list(outputs))
 
     def _allgather_base(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -267,7 +240,7 @@ class _NullGroup(dist.ProcessGroup):
                     outs[i].copy_(pieces[rank].view_as(outs[i]))
 
         self._meet((list(outputs), list(inputs)), move)
-        return _Done(list(outputs))
+        return completed(list(outputs))
 
     def _reduce_scatter_base(self, output: Tensor, input: Tensor, opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
