@@ -83,6 +83,16 @@ class _Slot:
         self.generation = 0
         self.cond = threading.Condition()  # set-up only, when ranks run at once
 
+    def arrive(self, move: Move) -> int:
+        """Count the caller in; the last to arrive moves the data. Returns the generation it joined."""
+        generation = self.generation
+        self.arrived += 1
+        if self.arrived == self.size:
+            move(self.args)
+            self.arrived = 0
+            self.generation += 1
+        return generation
+
 
 class _World:
     """The null world's shared state: each rank's doorbell, each group's slot, the mode."""
@@ -145,25 +155,14 @@ class _NullGroup(dist.ProcessGroup):
         slot, world = self._slot, self._world
         slot.args[self._rank] = args
         if world.serial:
-            slot.arrived += 1
-            if slot.arrived == slot.size:
-                move(slot.args)
-                slot.arrived = 0
-                slot.generation += 1
-                return
-            generation = slot.generation
+            generation = slot.arrive(move)
             while slot.generation == generation:  # woken before its group completed: pass the turn on
                 world.hand_over(self._me)
             return
         with slot.cond:
-            slot.arrived += 1
-            generation = slot.generation
-            if slot.arrived == slot.size:
-                move(slot.args)
-                slot.arrived = 0
-                slot.generation += 1
+            generation = slot.arrive(move)
+            if slot.generation != generation:
                 slot.cond.notify_all()
-                return
             while slot.generation == generation:
                 if world.failed or not slot.cond.wait(JOIN_TIMEOUT):
                     raise _Failed()
@@ -307,7 +306,7 @@ def run_null(program: bench_floor.Program, ws: int, steps: int) -> float:
         mtpg.ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]
         mtpg._uninstall_threaded_pg()  # type: ignore[no-untyped-call]
         torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
-        if not any(t.is_alive() for t in threads):
+        if not any(t.is_alive() for t in threads):  # a stuck rank may still read its doorbell
             world.close()
         _WORLD.clear()
     if errors:
