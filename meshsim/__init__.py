@@ -12,10 +12,11 @@ from meshsim._base.errors import (
 )
 from meshsim._engine.threads import end_idle_threads
 from meshsim._engine.world import run
-from meshsim._observe.ledger import Collective, Ledger, record
+from meshsim._observe.cost import Schedule, critical_path, format_seconds
 from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
 from meshsim._observe.topology import Topology, topology
 from meshsim._process.handover import per_rank
+from meshsim._record.ledger import Collective, Ledger, record
 
 __all__ = [
     "Collective",
@@ -24,11 +25,14 @@ __all__ = [
     "Ledger",
     "MeshError",
     "RankError",
+    "Schedule",
     "SnapshotMismatchError",
     "StateLeakWarning",
     "Topology",
     "check_snapshot",
+    "critical_path",
     "end_idle_threads",
+    "format_seconds",
     "per_rank",
     "record",
     "run",

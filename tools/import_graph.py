@@ -8,10 +8,13 @@ An import counts wherever it is written (module level or inside a function); tho
 below ``meshsim/`` (``_sim``, ``_observe``, ...); the top-level modules (``__init__``,
 ``testing``, ``pytest_plugin``, ``__main__``) form the package ``meshsim``.
 
-The layers, top down, are ``LAYERS`` below (the order ARCHITECTURE.md draws): an import from a
-lower layer into a higher one is *upward*. ``_process`` and ``_base`` sit below everything
-that runs a world; ``_observe`` (instruments) sits above the backend it observes, ``_record``
-(what the backend records into) below it. Exit status 1 when any circle or upward import exists.
+The layers, top down, are ``LAYERS`` below: an import from a lower layer into a higher one is
+*upward*. The engine runs a world and hands it instruments; ``_observe`` (the instruments:
+findings, traces, snapshots, the cost model) sits above the backend it observes, ``_record``
+(what the backend records into: the ledger, call sites) below it; ``_process`` (what a process
+owns and threads share) and ``_base`` sit below everything that runs a world.
+
+Exit status 1 when any circle or upward import exists.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ LAYERS = [
     "_pytest",
     "_unittest",
     "_modes",
-    "_observe",
     "_engine",
+    "_observe",
     "_baton",
     "_sim",
     "_record",
@@ -82,8 +85,14 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
+            # ``from package import module`` imports the module (the package's
+            # ``__init__`` runs first, as for any submodule: not an edge of its own);
+            # ``from module import name`` imports the module
             target = _resolve(module, path.name == "__init__.py", node)
-            names = [f"{target}.{alias.name}" for alias in node.names] + [target]
+            names = [
+                f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target
+                for alias in node.names
+            ]
         for name in names:
             # the longest known module the dotted name starts with (``from a.b import c``
             # names module a.b.c when c is a module, else the object c of a.b)
@@ -98,8 +107,12 @@ def package_of(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "meshsim":
         return parts[0]
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1].startswith("_") and
-                                            (ROOT / "meshsim" / parts[1]).is_dir()) else "meshsim"
+    return (
+        parts[1]
+        if len(parts) > 2
+        or (len(parts) == 2 and parts[1].startswith("_") and (ROOT / "meshsim" / parts[1]).is_dir())
+        else "meshsim"
+    )
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -71,7 +71,7 @@ class Context(threading.local):
 
     def __init__(self) -> None:
         # runs once in each thread that touches the record: every thread its own list
-        self.ledgers: list[Any] = []  # meshsim._observe.ledger.Ledger
+        self.ledgers: list[Any] = []  # meshsim._record.ledger.Ledger
 
 
 _CONTEXT = Context()

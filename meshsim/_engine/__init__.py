@@ -1,1 +1,12 @@
-"""One world of rank threads: its life (start, call, close), the baton scheduler, threads, doorbells."""
+"""One world of rank threads: its life (start, call, close), its threads and CPUs, its outcomes.
+
+The scheduler and doorbells that decide which rank runs live in :mod:`meshsim._baton`.
+This package is also the face the layers above (the plugin, the modes) reach the
+backend and the process state through: the few names they need are re-exported here.
+"""
+
+from meshsim._engine.session import Session
+from meshsim._process.handover import hold
+from meshsim._sim.backend import restart_numbering
+
+__all__ = ["Session", "hold", "restart_numbering"]

@@ -26,10 +26,10 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from meshsim._base.context import Seat, current
 from meshsim._baton.scheduler import Scheduler
-from meshsim._observe.recorder import DispatchRecorder
 from meshsim._process import patches as _patches
 from meshsim._process import thread_worlds as _thread_worlds
 from meshsim._process.loopback import loopback_environment
+from meshsim._record.recorder import DispatchRecorder
 from meshsim._sim.backend import BACKEND_NAME, default_process_group
 from meshsim._sim.store import SimStore
 

@@ -8,7 +8,7 @@ touches outlives it: c10d's world and group registry are per rank thread, every
 per-rank value is an entry of the hand-over registry, and the caller's process
 state (:mod:`meshsim._process.state`) is put back between calls and at the end.
 
-Observers are instruments (:mod:`meshsim._sim.instruments`) the world hands its
+Observers are instruments (:class:`meshsim._sim.rendezvous.Instrument`) the world hands its
 rendezvous for each call: the findings (a world's own), a trace (``trace=`` or an
 open watch's), and whatever the open watches (:mod:`meshsim._observe.watch`) ask for.
 """

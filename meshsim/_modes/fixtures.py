@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshsim._observe.ledger import Ledger, recording_into
+from meshsim._record.ledger import Ledger, recording_into
 
 __all__ = ["PerRank", "RankFixtures", "Recipe", "mesh_device", "recipe", "resolve"]
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from meshsim._process.loopback import LOOPBACK_HOST, loopback_environment, loopback_store
 
-__all__ = ["launch"]
+__all__ = ["die_with_parent", "launch"]
 
 _GRACE = 10.0  # seconds beyond the groups' timeout that ranks get once one has failed
 _POLL = 0.1
@@ -51,7 +51,7 @@ def launch(args: Sequence[str], world_size: int, *, timeout: float, cwd: str) ->
             command,
             cwd=cwd,
             env=_rank_environment(rank, world_size, store.port),
-            preexec_fn=_die_with_parent,  # before exec; the launcher runs no other threads yet
+            preexec_fn=die_with_parent,  # before exec; the launcher runs no other threads yet
         )
         for rank in range(world_size)
     ]
@@ -116,8 +116,11 @@ def _status(codes: Sequence[int]) -> int:
     return next((code for code in codes if code != 0), 0)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: be killed when the launcher dies (Linux), so no rank outlives it."""
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies, so no rank outlives its launcher.
+
+    Called in a launched child before exec, and first thing in a spawned rank.
+    """
     if sys.platform.startswith("linux"):
         import ctypes
 

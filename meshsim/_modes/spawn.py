@@ -12,23 +12,22 @@ rank; the others are then stopped. Children die with their parent
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import importlib
 import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshsim._base.errors import RankError, format_user_traceback
+from meshsim._modes.launch import die_with_parent
 
 if TYPE_CHECKING:
-    from meshsim._observe.ledger import Ledger
+    from meshsim._record.ledger import Ledger
 
 __all__ = ["TestTarget", "run_in_processes"]
 
@@ -180,7 +179,7 @@ def _child_main(
     record: bool,
     pipe: Any,
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     try:
         _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe)
     except BaseException as exc:  # failed before or after the body: still report it
@@ -216,8 +215,8 @@ def _run_rank(
     from torch._C._distributed_c10d import TCPStore
 
     from meshsim._modes.fixtures import RankFixtures, resolve
-    from meshsim._observe.recorder import DispatchRecorder
     from meshsim._process.loopback import LOOPBACK_HOST, loopback_environment
+    from meshsim._record.recorder import DispatchRecorder
 
     # Every gloo (or NCCL) group of this rank, the test's own included, listens on
     # loopback. Not undone: the process is this rank's alone and ends with it.
@@ -271,11 +270,3 @@ def _ended(exc: BaseException) -> _Outcome:
     return _Outcome(kind, reason_of(exc), time.time())
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (no orphans, no zombies)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass

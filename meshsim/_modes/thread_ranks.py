@@ -12,7 +12,7 @@ from typing import Any
 
 from meshsim._engine.world import run
 from meshsim._modes.fixtures import RankFixtures, resolve
-from meshsim._observe.ledger import Ledger
+from meshsim._record.ledger import Ledger
 
 __all__ = ["TestFunction", "run_on_threads"]
 

@@ -29,8 +29,8 @@ from meshsim._engine.outcomes import (
 )
 from meshsim._modes.fixtures import RankFixtures, resolve
 from meshsim._modes.thread_ranks import TestFunction
-from meshsim._observe.ledger import Ledger
-from meshsim._observe.recorder import DispatchRecorder
+from meshsim._record.ledger import Ledger
+from meshsim._record.recorder import DispatchRecorder
 
 __all__ = ["StaticSession", "TestFailedOnOtherRanks", "static_environment"]
 

@@ -65,13 +65,14 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
-from meshsim._observe.ledger import Collective, Ledger
 from meshsim._observe.topology import Topology, resolve
+from meshsim._record.ledger import Collective, Ledger, Pricing, install_pricing
 
 __all__ = [
     "CostModel",
@@ -546,3 +547,7 @@ def _next(rank: int, calls: dict[int, list[Collective]], done: dict[int, int]) -
     if done[rank] >= len(calls[rank]):
         return "nothing (its ledger ends)"
     return f"#{done[rank]} {calls[rank][done[rank]]}"
+
+
+# The ledger prices itself with this module: it sits below and cannot import it.
+install_pricing(cast(Pricing, sys.modules[__name__]))

@@ -45,8 +45,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from meshsim._observe.ledger import Collective, Ledger
+from meshsim._observe import cost
 from meshsim._observe.snapshot_file import ESTIMATE, entry_of, load, shown, store
+from meshsim._observe.topology import resolve
+from meshsim._record.ledger import Collective, Ledger
 
 if TYPE_CHECKING:
     from meshsim._observe.topology import Topology
@@ -165,9 +167,6 @@ def _estimate(ledgers: Sequence[Ledger], topology: Topology | str | None) -> tup
     """The entry's estimate on ``topology``: its name and this run's critical path, or None."""
     if topology is None:
         return None
-    from meshsim._observe import cost  # here: cost imports the ledger, as this module does
-    from meshsim._observe.topology import resolve
-
     topo = resolve(topology)
     seconds = cost.critical_path(ledgers, topo).total
     return f"{ESTIMATE}{len(ledgers)} on {topo.name}", cost.format_seconds(seconds)

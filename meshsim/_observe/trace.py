@@ -20,7 +20,7 @@ out (it takes no time on that clock), so a gap on a rank's track is that rank
 waiting for a slower one; each slice's args hold the rank's own estimate and the
 wait before it. Point-to-point calls are not drawn on either process.
 
-A :class:`Tracer` is an instrument of the world (:mod:`meshsim._sim.instruments`)
+A :class:`Tracer` is an instrument of the world (:class:`meshsim._sim.rendezvous.Instrument`)
 for one of its calls. Who writes where: ``meshsim.run(..., trace="world.json")`` names
 the file; the pytest plugin's ``--mesh-trace=DIR`` names one per test, through a
 :class:`meshsim._observe.watch.Watch`.
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshsim._base.errors import WorldAborted
-from meshsim._observe.ledger import Collective
+from meshsim._record.ledger import Collective
 from meshsim._sim.rendezvous import Instrument
 
 if TYPE_CHECKING:

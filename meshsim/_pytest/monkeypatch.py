@@ -87,7 +87,7 @@ class _RankMonkeyPatch:
 
     def _patch(self, target: Any, name: Any, change: Callable[[], None]) -> None:
         """Make the attribute this rank's own, then ``change`` it (pytest checks the arguments)."""
-        from meshsim._process.handover import hold
+        from meshsim._engine import hold
 
         if name is None:
             if not isinstance(target, str):

@@ -39,12 +39,11 @@ from typing import Any
 
 import pytest
 
+from meshsim import Ledger
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.context import current
-from meshsim._engine.session import Session
+from meshsim._engine import Session, restart_numbering
 from meshsim._modes.fixtures import RankFixtures, resolve
-from meshsim._observe.ledger import Ledger
-from meshsim._sim.backend import restart_numbering
 
 __all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code"]
 

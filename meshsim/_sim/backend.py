@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from meshsim._base.context import Seat, current
-from meshsim._observe import ledger as _ledger
-from meshsim._observe import sites as _sites
-from meshsim._observe.ledger import Collective
 from meshsim._process import thread_worlds as _thread_worlds
+from meshsim._record import ledger as _ledger
+from meshsim._record import sites as _sites
+from meshsim._record.ledger import Collective
 from meshsim._sim import checks as _checks
 from meshsim._sim import dispatch as _dispatch
 from meshsim._sim.collectives import (

@@ -18,8 +18,8 @@ import torch
 
 from meshsim._base.errors import CollectiveMismatchError
 from meshsim._base.waits import Blocking, Waitable
-from meshsim._observe import ledger as _ledger
-from meshsim._observe.ledger import Collective
+from meshsim._record import ledger as _ledger
+from meshsim._record.ledger import Collective
 from meshsim._sim.collectives import descs, dtype_of, nbytes, write
 
 __all__ = ["Endpoint", "Mailbox", "Message", "PostedRecv"]

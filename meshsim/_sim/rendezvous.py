@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from meshsim._base.errors import CollectiveMismatchError, WorldAborted
 from meshsim._base.waits import Blocking, Waitable
-from meshsim._observe.sites import site_of
+from meshsim._record.sites import site_of
 from meshsim._sim.collectives import Description
 from meshsim._sim.movement import Problem, culprits
 from meshsim._sim.p2p import Mailbox
 
 if TYPE_CHECKING:
-    from meshsim._observe.ledger import Collective, Ledger
+    from meshsim._record.ledger import Collective, Ledger
 
 __all__ = ["NONE", "Call", "GroupState", "Instrument", "Instruments", "Rendezvous", "Slot"]
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch._C._distributed_c10d import Store as _CStore
 
 from meshsim._base.waits import Blocking, Waitable
-from meshsim._observe.sites import call_site
+from meshsim._record.sites import call_site
 
 Store: Any = _CStore  # a class the stubs do not let mypy subclass
 

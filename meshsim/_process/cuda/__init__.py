@@ -48,13 +48,12 @@ install and undo, threads, child processes).
 from __future__ import annotations
 
 from meshsim._process.cuda.install import acquire, emulate_in_process, enter_rank, leave_rank, release
-from meshsim._process.cuda.spec import Spec, active, devices_wanted, from_environment, parse
+from meshsim._process.cuda.spec import Spec, devices_wanted, from_environment, parse
 from meshsim._process.cuda.tensors import device_of
 
 __all__ = [
     "Spec",
     "acquire",
-    "active",
     "device_of",
     "devices_wanted",
     "emulate_in_process",

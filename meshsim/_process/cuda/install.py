@@ -22,11 +22,6 @@ __all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release
 # -- install and undo -----------------------------------------------------------------------
 
 
-def active() -> Spec | None:
-    """The emulation installed now, or None."""
-    return ACTIVE.spec
-
-
 def acquire(spec: Spec) -> None:
     """Install the emulation (the first user), or check that ``spec`` is the one installed.
 

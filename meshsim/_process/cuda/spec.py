@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ACTIVE", "Spec", "active", "devices_wanted", "from_environment", "parse"]
+__all__ = ["ACTIVE", "Spec", "devices_wanted", "from_environment", "parse"]
 
 CPU = torch.device("cpu")
 REAL_CUDA: dict[str, Any] = {name: getattr(torch.cuda, name) for name in ("is_available", "device_count")}
@@ -104,8 +104,3 @@ class _Active:
 
 
 ACTIVE = _Active()
-
-
-def active() -> Spec | None:
-    """The emulation installed now, or None."""
-    return ACTIVE.spec

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Collective",
     "Ledger",
+    "Pricing",
     "append",
+    "install_pricing",
     "is_recording",
     "record",
     "recording_into",
@@ -37,6 +39,39 @@ OPS = (
     "send",
     "recv",
 )
+
+
+class Pricing(Protocol):
+    """What the cost model (:mod:`meshsim._observe.cost`, a layer above) gives the ledger."""
+
+    def estimate(self, call: Collective, topology: Topology | str, /, *, rank: int | None = None) -> Any:
+        """One call's estimate (with ``.seconds``)."""
+
+    def total(
+        self, calls: list[Collective], topology: Topology | str, /, *, rank: int | None = None
+    ) -> float:
+        """Seconds for calls one after another."""
+
+    def table_column(
+        self, calls: list[Collective], topology: Topology | str, /, *, rank: int | None = None
+    ) -> tuple[list[str], str]:
+        """Each call's estimate as text, and the clause the table's total line ends with."""
+
+
+# The cost model prices ledgers and sits above them: it hands itself down when it is
+# imported (``meshsim`` imports it), so the ledger prices itself without importing it.
+_pricing: list[Pricing] = []
+
+
+def install_pricing(pricing: Pricing) -> None:
+    """Make ``pricing`` the one the ledger's ``estimated_time`` and ``table(topology)`` use."""
+    _pricing[:] = [pricing]
+
+
+def _priced() -> Pricing:
+    if not _pricing:
+        raise RuntimeError("no cost model installed: import meshsim (its cost model prices ledgers)")
+    return _pricing[0]
 
 
 @dataclass(frozen=True)
@@ -89,9 +124,7 @@ class Collective:
         Raises:
             ValueError: an unknown preset name, or a rank the topology's mapping does not cover.
         """
-        from meshsim._observe import cost  # here: cost imports this module
-
-        return cost.estimate(self, topology, rank=rank).seconds
+        return float(_priced().estimate(self, topology, rank=rank).seconds)
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
@@ -185,7 +218,7 @@ class Ledger:
         """Seconds this rank's calls would take on ``topology``, one after another.
 
         The sum of :meth:`Collective.estimated_time` over the calls: no compute, and no
-        waiting for other ranks (``meshsim._observe.cost.critical_path`` adds that).
+        waiting for other ranks (:func:`meshsim.critical_path` adds that).
 
         Args:
             topology: a :class:`~meshsim.Topology` or a preset name (``"dgx-h100"``, ...).
@@ -196,9 +229,7 @@ class Ledger:
         Raises:
             ValueError: an unknown preset name, or a rank the topology's mapping does not cover.
         """
-        from meshsim._observe import cost  # here: cost imports this module
-
-        return cost.total(self.calls, topology, rank=rank)
+        return _priced().total(self.calls, topology, rank=rank)
 
     def table(self, topology: Topology | str | None = None, *, rank: int | None = None) -> str:
         """The calls as a text table; ``str(ledger)`` is ``ledger.table()``.
@@ -217,9 +248,7 @@ class Ledger:
             return "0 collectives"
         estimates, clause = None, ""
         if topology is not None:
-            from meshsim._observe import cost  # here: cost imports this module
-
-            estimates, clause = cost.table_column(self.calls, topology, rank=rank)
+            estimates, clause = _priced().table_column(self.calls, topology, rank=rank)
         columns = _COLUMNS if estimates is None else (*_COLUMNS[:-1], "estimate", _COLUMNS[-1])
         rows = [columns] + [_row(i, c, estimates) for i, c in enumerate(self.calls)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]

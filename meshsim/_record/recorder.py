@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshsim._base import context
-from meshsim._observe import ledger as _ledger
-from meshsim._observe import sites as _sites
-from meshsim._observe.ledger import Collective
 from meshsim._process import thread_worlds as _thread_worlds
+from meshsim._record import ledger as _ledger
+from meshsim._record import sites as _sites
+from meshsim._record.ledger import Collective
 
 __all__ = ["DispatchRecorder"]
 
