@@ -39,10 +39,9 @@ from typing import Any
 
 import pytest
 
-from meshsim import Ledger
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.context import current
-from meshsim._engine import Session, restart_numbering
+from meshsim._engine import Ledger, Session, restart_numbering
 from meshsim._modes.fixtures import RankFixtures, resolve
 
 __all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code"]
