@@ -17,6 +17,7 @@ from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
 from meshsim._observe.topology import Topology, topology
 from meshsim._process.handover import per_rank
 from meshsim._record.ledger import Collective, Ledger, record
+from meshsim._record.sites import library_code
 
 __all__ = [
     "Collective",
@@ -33,6 +34,7 @@ __all__ = [
     "critical_path",
     "end_idle_threads",
     "format_seconds",
+    "library_code",
     "per_rank",
     "record",
     "run",

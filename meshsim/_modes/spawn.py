@@ -268,5 +268,3 @@ def _ended(exc: BaseException) -> _Outcome:
     if kind == FAILED:
         return _Outcome("error", format_user_traceback(exc), time.time())
     return _Outcome(kind, reason_of(exc), time.time())
-
-

@@ -21,6 +21,7 @@ redundant=False)``, turns the checks off.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshsim._observe.watch import Watch, watching
+from meshsim._record.sites import made_by_torch
 from meshsim._sim import movement as mv
 from meshsim._sim.collectives import nbytes
 from meshsim._sim.rendezvous import Instrument
@@ -52,6 +54,8 @@ class Finding:
         seq: the call's position in the group's sequence.
         site: where the group's first rank issued it.
         reason: why no rank learned anything new from it.
+        made_by: the torch module that made the call by design (``torch.nn.parallel.distributed``
+            for DDP's parameter sync), or None: the user's own call.
     """
 
     op: str
@@ -60,9 +64,11 @@ class Finding:
     seq: int
     site: str
     reason: str
+    made_by: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.api} on group {list(self.group)} (call #{self.seq}) at {self.site}: {self.reason}"
+        by = f" (made by {self.made_by})" if self.made_by else ""
+        return f"{self.api} on group {list(self.group)} (call #{self.seq}) at {self.site}{by}: {self.reason}"
 
 
 def enabled_by_default() -> bool:
@@ -126,7 +132,9 @@ class Findings(Instrument):
             call.mark(reason)
         if self.sinks:
             first = calls[0]
-            finding = Finding(first.op, first.payload.api, group.ranks, slot.seq, first.site, reason)
+            # the last rank to arrive completes the call, inside it: its stack is the call's
+            made_by = made_by_torch(sys._getframe(1))
+            finding = Finding(first.op, first.payload.api, group.ranks, slot.seq, first.site, reason, made_by)
             for sink in self.sinks:
                 sink.append(finding)
 

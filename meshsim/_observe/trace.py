@@ -207,6 +207,7 @@ def _entry(group: GroupState, call: Call, seq: int) -> Collective:
         seq,
         call.site,
         peer,
+        via=call.entry.via if call.entry is not None else None,
     )
 
 

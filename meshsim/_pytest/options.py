@@ -102,11 +102,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--mesh-redundant",
-        choices=("off", "report", "error"),
-        default="report",
+        choices=("off", "summary", "report", "error"),
+        default="summary",
         help="wasted collectives (calls that told no rank anything new, found on the sim backend): "
-        "report lists them at the end of the session (the default), error fails their tests "
-        "(@pytest.mark.allow_redundant allows known ones), off does not look",
+        "summary counts them in one line at the end and shows a failing test's own (the default), "
+        "report lists them all, error fails their tests (@pytest.mark.allow_redundant allows "
+        "known ones; calls torch's DDP/FSDP make by design never fail), off does not look",
     )
     group.addoption(
         "--mesh-trace",
@@ -114,6 +115,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="write each test's simulated worlds as timelines (Chrome trace-event JSON for Perfetto "
         "or chrome://tracing) to DIR/<test id>.json, created if missing; sim backend only",
+    )
+    group.addoption(
+        "--mesh-library",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="count this module's (or folder's) code as a library, as shardtensor is: ledger sites "
+        "name the first line outside it, the library's own line kept as the entry's via "
+        "(repeatable; adds to the mesh_library ini option)",
+    )
+    parser.addini(
+        "mesh_library",
+        type="linelist",
+        default=[],
+        help="modules (or folders) whose code is a library's, as with --mesh-library",
     )
     group.addoption(
         "--mesh-snapshot-update",
@@ -172,6 +188,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if static and dynamic:
         raise pytest.UsageError("--multigpu-static and --multigpu-dynamic select different suites: give one")
     state.suite = "static" if static else "dynamic" if dynamic else None
+    libraries = [*config.getini("mesh_library"), *(config.getoption("mesh_library", None) or [])]
+    if libraries:
+        from meshsim._engine import library_code
+
+        try:
+            state.watches.enter_context(library_code(*libraries))
+        except ValueError as error:
+            raise pytest.UsageError(f"--mesh-library / mesh_library: {error}") from None
 
 
 def spec_of(item: pytest.Item) -> WorldSpec | None:

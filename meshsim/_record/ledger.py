@@ -91,12 +91,17 @@ class Collective:
         reduce_op: ``SUM``, ``AVG``, ... for reducing collectives, else None.
         seq: position of the call in this group's sequence of collectives (for
             send and recv: in the sequence of messages between this pair of ranks).
-        site: ``file.py:LINE in function`` of the first caller outside torch and meshsim.
+        site: ``file.py:LINE in function`` of the user's line that issued the call: the
+            first caller outside torch, meshsim, shardtensor, the standard library and
+            the folders declared library code (:func:`meshsim.library_code`).
         peer: the global rank at the other end of a send, recv or rooted collective.
         redundant: why the call could not have told any rank anything new (every rank
             contributed the same bytes, ...), or None. Only the ``sim`` backend looks
             (gloo and NCCL ranks cannot see each other's data); equality ignores it,
             so ledgers compare equal across backends.
+        via: where a library made the call for the user (``ShardTensor.from_local``
+            gathering shapes), the library's own line (``shardtensor/_collectives.py:63 in
+            all_gather_shapes``), else None. Equality ignores it.
     """
 
     op: str
@@ -110,6 +115,7 @@ class Collective:
     site: str
     peer: int | None = None
     redundant: str | None = field(default=None, compare=False)
+    via: str | None = field(default=None, compare=False)
 
     def estimated_time(self, topology: Topology | str, *, rank: int | None = None) -> float:
         """Seconds this call would take on ``topology``, by its cost model.
@@ -250,7 +256,10 @@ class Ledger:
         if topology is not None:
             estimates, clause = _priced().table_column(self.calls, topology, rank=rank)
         columns = _COLUMNS if estimates is None else (*_COLUMNS[:-1], "estimate", _COLUMNS[-1])
-        rows = [columns] + [_row(i, c, estimates) for i, c in enumerate(self.calls)]
+        via = any(c.via for c in self.calls)  # a library's own line, beside the user's
+        if via:
+            columns = (*columns, "via")
+        rows = [columns] + [_row(i, c, estimates, via) for i, c in enumerate(self.calls)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
         wasted = [(i, c) for i, c in enumerate(self.calls) if c.redundant]
@@ -263,7 +272,7 @@ class Ledger:
         return "\n".join([*lines, total, *notes])
 
 
-def _row(index: int, c: Collective, estimates: list[str] | None = None) -> tuple[str, ...]:
+def _row(index: int, c: Collective, estimates: list[str] | None = None, via: bool = False) -> tuple[str, ...]:
     dtype = str(c.dtype).removeprefix("torch.") if c.dtype is not None else "-"
     group = ",".join(map(str, c.group))
     if c.peer is not None:
@@ -279,7 +288,7 @@ def _row(index: int, c: Collective, estimates: list[str] | None = None) -> tuple
         c.reduce_op or "-",
     )
     estimate = () if estimates is None else (estimates[index],)
-    return (*row, *estimate, c.site)
+    return (*row, *estimate, c.site, *((c.via or "-",) if via else ()))
 
 
 def _human(n: int) -> str:

@@ -297,16 +297,16 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             # A collective on a subclass (DTensor): let it desugar first, then see the
             # plain-tensor collectives it issues.
             return NotImplemented
-        site = _sites.call_site(2)
+        where = _sites.call_where(2)
         self.entered = time.monotonic()
         out = func(*args, **kwargs)
         seen = handler(args, kwargs.get("out", out))
         for one in seen if isinstance(seen, list) else [seen]:
             one.functional = func.namespace == "_c10d_functional"
-            self._note(one, site)
+            self._note(one, where)
         return out
 
-    def _note(self, seen: _Seen, site: str) -> None:
+    def _note(self, seen: _Seen, where: tuple[str, str | None]) -> None:
         name, ranks, me = self._group(seen.group)
         if seen.op in ("send", "recv"):
             key = f"{name}/{seen.op}/{seen.peer}"
@@ -316,9 +316,11 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self._seq[key] = seq + 1
         if not _ledger.is_recording():
             return
-        _ledger.append(self._collective(seen, ranks, me, seq, site))
+        _ledger.append(self._collective(seen, ranks, me, seq, where))
 
-    def _collective(self, seen: _Seen, ranks: tuple[int, ...], me: int, seq: int, site: str) -> Collective:
+    def _collective(
+        self, seen: _Seen, ranks: tuple[int, ...], me: int, seq: int, where: tuple[str, str | None]
+    ) -> Collective:
         bytes_in, bytes_out = _nbytes(seen.tensors_in), _nbytes(seen.tensors_out)
         other = seen.root if seen.root is not None else seen.peer
         peer = None if other is None or other < 0 else ranks[other]
@@ -329,8 +331,9 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         dtype = dtypes.pop() if len(dtypes) == 1 else None
         if dtype is not None and dtype.is_complex and _viewed_as_real(seen):
             dtype = dtype.to_real()
+        site, via = where
         return Collective(
-            seen.op, seen.api, ranks, dtype, bytes_in, bytes_out, seen.reduce_op, seq, site, peer
+            seen.op, seen.api, ranks, dtype, bytes_in, bytes_out, seen.reduce_op, seq, site, peer, via=via
         )
 
     def _group(self, group: Any) -> tuple[str, tuple[int, ...], int]:

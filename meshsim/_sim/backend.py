@@ -270,7 +270,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def _record(self, frame: FrameType, payload: Description, seq: int) -> Collective:
         """Add the call to the open ledgers; returns the entry."""
         ranks = self._group.ranks
-        site = _sites.site_of(frame)
+        site, via = _sites.where_of(frame)
         dtype, bytes_in, bytes_out = payload.traffic(self._group_rank)
         root = payload.root
         peer = ranks[root] if root is not None else None
@@ -285,6 +285,7 @@ class SimProcessGroup(dist.ProcessGroup):
             seq - self._seq_base,
             site,
             peer,
+            via=via,
         )
         _ledger.append(entry)
         return entry
@@ -455,7 +456,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         tensors = list(tensors)
         _checks.peer(dstRank, self._group_rank, self._size, self._group.ranks, "send")
-        self._p2p.send(tensors, dstRank, tag, _sites.call_site(2))
+        self._p2p.send(tensors, dstRank, tag, _sites.call_where(2))
         return completed(tensors)
 
     @_observable("recv")
@@ -468,5 +469,5 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._receive(list(tensors), None, tag)
 
     def _receive(self, tensors: list[Tensor], src: int | None, tag: int) -> dist.Work:
-        recv = self._p2p.receive(tensors, src, tag, _sites.call_site(3))
+        recv = self._p2p.receive(tensors, src, tag, _sites.call_where(3))
         return ReceiveWork(self._context.scheduler, self._context.rank, recv)

@@ -154,9 +154,14 @@ class Endpoint:
         self.seq: dict[tuple[str, int], int] = {}  # messages so far, per direction and peer
         self.seq_base: dict[tuple[str, int], int] = {}  # what ledgers count from
 
-    def send(self, tensors: list[Tensor], dst: int, tag: int, site: str) -> None:
-        """Buffer copies of ``tensors`` for group rank ``dst``; returns at once."""
-        self._record("send", dst, tensors, site)
+    def send(self, tensors: list[Tensor], dst: int, tag: int, where: tuple[str, str | None]) -> None:
+        """Buffer copies of ``tensors`` for group rank ``dst``; returns at once.
+
+        ``where``: the user's line and the library line that made the call (see
+        :func:`meshsim._record.sites.where_of`).
+        """
+        self._record("send", dst, tensors, where)
+        site = where[0]
         text = f"send({descs(tensors)}, dst={self.ranks[dst]}, tag={tag})"
         with torch.no_grad():
             copies = [t.detach().clone() for t in tensors]
@@ -165,9 +170,12 @@ class Endpoint:
             self.scheduler.raise_if_aborted()
             self.mailbox.send(message, self.scheduler)
 
-    def receive(self, tensors: list[Tensor], src: int | None, tag: int, site: str) -> PostedRecv:
+    def receive(
+        self, tensors: list[Tensor], src: int | None, tag: int, where: tuple[str, str | None]
+    ) -> PostedRecv:
         """Post a receive into ``tensors`` from group rank ``src`` (None: any); returns it."""
-        self._record("recv", src, tensors, site)
+        self._record("recv", src, tensors, where)
+        site = where[0]
         who = "any rank" if src is None else f"rank {self.ranks[src]}"
         text = f"recv({descs(tensors)}) from {who} (tag {tag})"
         recv = PostedRecv(self.mailbox, self.group_rank, src, tag, tensors, text, site, deliver)
@@ -179,7 +187,9 @@ class Endpoint:
     def restart_numbering(self) -> None:
         self.seq_base = dict(self.seq)
 
-    def _record(self, op: str, peer: int | None, tensors: list[Tensor], site: str) -> None:
+    def _record(
+        self, op: str, peer: int | None, tensors: list[Tensor], where: tuple[str, str | None]
+    ) -> None:
         key = (op, -1 if peer is None else peer)
         seq = self.seq.get(key, 0)
         self.seq[key] = seq + 1
@@ -189,7 +199,17 @@ class Endpoint:
             sent, received = (n, 0) if op == "send" else (0, n)
             peer_rank = None if peer is None else self.ranks[peer]
             entry = Collective(
-                op, op, self.ranks, dtype_of(tensors), sent, received, None, seq, site, peer_rank
+                op,
+                op,
+                self.ranks,
+                dtype_of(tensors),
+                sent,
+                received,
+                None,
+                seq,
+                where[0],
+                peer_rank,
+                via=where[1],
             )
             _ledger.append(entry)
 

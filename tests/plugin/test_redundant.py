@@ -1,4 +1,4 @@
-"""--mesh-redundant={off,report,error} and the allow_redundant marker, driven from outside with pytester."""
+"""--mesh-redundant={off,summary,report,error} and the allow_redundant marker, driven from outside with pytester."""
 
 from __future__ import annotations
 
@@ -37,9 +37,21 @@ def test_useful(rank):
 SAME = "every rank contributed the same 16 bytes: each rank could build the result from its own input"
 
 
-def test_report_is_the_default_and_lists_each_call_site_with_its_tests(pytester: pytest.Pytester) -> None:
+def test_the_default_is_one_summary_line(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_program=PROGRAM)
     result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=4)
+    out = result.stdout.str()
+    mine = [line for line in out.splitlines() if "collective" in line]
+    assert mine == [
+        "meshsim: 3 collectives in 2 tests told no rank anything new (--mesh-redundant=report lists them)"
+    ]
+    assert "shape_exchange" not in out
+
+
+def test_report_lists_each_call_site_with_its_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_program=PROGRAM)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--mesh-redundant=report")
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(
         [
@@ -97,4 +109,62 @@ def test_a_bad_mode_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("--mesh-redundant=loud")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--mesh-redundant: invalid choice: 'loud' (choose from *off*report*error*"])
+    result.stderr.fnmatch_lines(
+        ["*--mesh-redundant: invalid choice: 'loud' (choose from *off*summary*report*error*"]
+    )
+
+
+DDP_PROGRAM = """
+import pytest, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+@pytest.mark.world(2)
+def test_ddp(rank):
+    torch.manual_seed(0)  # the same parameters everywhere: DDP's broadcasts move nothing new
+    model = DDP(torch.nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()  # the same gradients: its all_reduce is wasted too
+
+@pytest.mark.world(2)
+def test_fails_after_waste(rank):
+    dist.all_reduce(torch.ones(3))
+    assert rank == 5
+"""
+
+
+def test_torchs_own_calls_are_apart_and_never_fail_a_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_program=DDP_PROGRAM)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--mesh-redundant=error", "-k", "ddp")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "meshsim: 4 more made by torch's parallelism modules (DDP, FSDP, ...), not counted "
+            "(--mesh-redundant=report lists them)"
+        ]
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--mesh-redundant=report", "-k", "ddp")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*= meshsim: redundant collectives made by torch =*",
+            "broadcast at test_program.py:7 in test_ddp (made by torch.nn.parallel.distributed): *",
+            "*all_reduce at test_program.py:8 in test_ddp (made by torch.nn.parallel.distributed "
+            "(its C++ gradient reducer)): *",
+            "4 collectives in 1 test made by torch's parallelism modules told no rank anything new: *",
+        ],
+        consecutive=False,
+    )
+    assert "= meshsim: redundant collectives =" not in result.stdout.str()  # none of the test's own
+
+
+def test_a_failing_test_shows_its_own_wasted_calls(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_program=DDP_PROGRAM)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-k", "fails")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*- meshsim: redundant collectives -*",
+            "1 collective told no rank anything new:",
+            "  all_reduce at test_program.py:12 in test_fails_after_waste: every rank's input is the same*",
+        ],
+        consecutive=False,
+    )
