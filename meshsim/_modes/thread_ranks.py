@@ -7,6 +7,7 @@ pytest plugin picks the mode; the modes know nothing about pytest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +47,12 @@ def run_on_threads(
         each rank's ledger of the body, rank 0's first: recorded when ``record`` is
         true or the test asked for its ``ledger``, else None.
     """
+    body = functools.partial(_body, test, funcargs, record)
+    # traces and error tables call the world's function by the test's name, not this module's
+    body.__qualname__ = getattr(test, "__qualname__", None) or getattr(test, "__name__", "test")  # type: ignore[attr-defined]
     return run(
-        _body,
+        body,
         world_size,
-        args=(test, funcargs, record),
         backend=backend,
         timeout=timeout,
         num_threads=num_threads,

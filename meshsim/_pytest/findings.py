@@ -73,7 +73,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 
 
 def _not_allowed(item: pytest.Item, found: list[Any]) -> list[Wasted]:
-    """The findings the test's allow_redundant markers do not allow, counted per call site, reason and maker."""
+    """The findings the test's allow_redundant markers do not allow, per site, reason, maker."""
     allowed: set[str] = set()
     everything = False
     for marker in item.iter_markers("allow_redundant"):

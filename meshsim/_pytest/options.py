@@ -3,7 +3,7 @@
 Markers:
 
 - ``@pytest.mark.world(4)`` runs the body on 4 ranks; ``world(1, 2, 4)`` runs it
-  once per size, with ids ``world=1``, ``world=2``, ``world=4``.
+  once per size, with ids ``world1``, ``world2``, ``world4`` (``-k world2`` selects one).
 - ``@pytest.mark.multigpu_static`` (PhysicsNeMo's marker) runs it on
   ``--world-size`` ranks (default 4).
 - ``@pytest.mark.allow_redundant`` (see :mod:`meshsim._pytest.findings`).
@@ -235,7 +235,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     spec = _world_spec(marker)
     if len(spec.sizes) > 1:
         metafunc.fixturenames.append(_WORLD_PARAM)
-        metafunc.parametrize(_WORLD_PARAM, spec.sizes, ids=[f"world={n}" for n in spec.sizes])
+        metafunc.parametrize(_WORLD_PARAM, spec.sizes, ids=[f"world{n}" for n in spec.sizes])
 
 
 def size_of(item: pytest.Item, spec: WorldSpec) -> int:

@@ -92,9 +92,9 @@ def test_collected_ids(pytester: pytest.Pytester) -> None:
     collected = pytester.runpytest("--collect-only", "-q")
     collected.stdout.fnmatch_lines(
         [
-            "test_mesh.py::test_sizes[[]world=1[]]",
-            "test_mesh.py::test_sizes[[]world=2[]]",
-            "test_mesh.py::test_sizes[[]world=4[]]",
+            "test_mesh.py::test_sizes[[]world1[]]",
+            "test_mesh.py::test_sizes[[]world2[]]",
+            "test_mesh.py::test_sizes[[]world4[]]",
             "test_mesh.py::test_meshes",
         ]
     )

@@ -39,13 +39,13 @@ def test_not_distributed(ledger_snapshot):
 """
 
 SNAPSHOT = {
-    "test_gather[world=1]": {
+    "test_gather[world1]": {
         "rank 0 of 1": [
             "all_gather all_gather_into_tensor [0] float32 in=16 out=16",
             "all_reduce all_reduce [0] float32 in=8 out=8 SUM",
         ]
     },
-    "test_gather[world=2]": {
+    "test_gather[world2]": {
         f"rank {r} of 2": [
             "all_gather all_gather_into_tensor [0,1] float32 in=16 out=32",
             "all_reduce all_reduce [0,1] float32 in=8 out=8 SUM",
@@ -58,7 +58,7 @@ SNAPSHOT = {
     },
 }
 
-WORLD_2 = "test_program.py::test_gather[world=2]"
+WORLD_2 = "test_program.py::test_gather[world2]"
 SEND = "test_program.py::test_send"
 GATHER = "all_gather all_gather_into_tensor [0,1] float32 in=16 out=32"
 MAX = "all_reduce all_reduce [0,1] float32 in=8 out=8 MAX"
@@ -108,8 +108,8 @@ def test_a_changed_program_fails_with_a_diff_per_rank_until_updated(pytester: py
     changed.assert_outcomes(failed=2)
     changed.stdout.fnmatch_lines(
         [
-            "*_ test_gather[[]world=2[]] _*",
-            "the collectives of test_gather[[]world=2[]] on ranks 0, 1 (of 2) differ from its ledger "
+            "*_ test_gather[[]world2[]] _*",
+            "the collectives of test_gather[[]world2[]] on ranks 0, 1 (of 2) differ from its ledger "
             "snapshot in __snapshots__/test_program.ledger.json:",
             "rank 0:",
             "  --- stored",
@@ -128,8 +128,22 @@ def test_a_changed_program_fails_with_a_diff_per_rank_until_updated(pytester: py
     updated = pytester.runpytest_subprocess("-k", "gather", "--mesh-snapshot-update")
     updated.assert_outcomes(passed=2)
     updated.stdout.fnmatch_lines(["meshsim: ledger snapshots: 2 rewritten"])
-    assert _stored(pytester)["test_gather[world=2]"] == {f"rank {r} of 2": [GATHER, MAX] for r in range(2)}
+    assert _stored(pytester)["test_gather[world2]"] == {f"rank {r} of 2": [GATHER, MAX] for r in range(2)}
     pytester.runpytest_subprocess("-k", "gather").assert_outcomes(passed=2)
+
+
+def test_a_file_written_with_the_old_world_ids_still_matches(pytester: pytest.Pytester) -> None:
+    """Snapshots stored under ``test_gather[world=2]`` (ids before ``-k world2`` could select them)."""
+    pytester.makepyfile(test_program=PROGRAM)
+    legacy = {key.replace("[world", "[world="): entry for key, entry in SNAPSHOT.items()}
+    _file(pytester).parent.mkdir()
+    _file(pytester).write_text(json.dumps({"version": 1, "tests": legacy}))
+    result = pytester.runpytest_subprocess("-k", "world2")  # selects by the new id
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["meshsim: ledger snapshots: 1 unchanged"])
+    _use_max(pytester)
+    pytester.runpytest_subprocess("-k", "world2").assert_outcomes(failed=1)  # the old entry is compared
+    assert _stored(pytester) == legacy
 
 
 @pytest.mark.parametrize("backend", ["gloo", "spawn"])
@@ -199,7 +213,7 @@ def test_torchrun_ranks_gather_their_ledgers_and_rank_0_writes(pytester: pytest.
     pytester.runpytest_subprocess(WORLD_2).assert_outcomes(passed=1)
     tests = _stored(pytester)
     # hand-edit the stored entry of one rank only: rank 1 must see its own difference
-    tests["test_gather[world=2]"]["rank 1 of 2"][1] = MAX  # type: ignore[index]
+    tests["test_gather[world2]"]["rank 1 of 2"][1] = MAX  # type: ignore[index]
     _file(pytester).write_text(json.dumps({"version": 1, "tests": tests}))
 
     result = pytester.run(

@@ -38,8 +38,8 @@ def test_each_test_writes_its_worlds_to_files_named_after_it(pytester: pytest.Py
     names = sorted(p.name for p in folder.iterdir())
     assert names == [
         "test_program.py.test_fails.json",
-        "test_program.py.test_marked_world=2.json",
-        "test_program.py.test_marked_world=3.json",
+        "test_program.py.test_marked_world2.json",
+        "test_program.py.test_marked_world3.json",
         "test_program.py.test_two_worlds-2.json",
         "test_program.py.test_two_worlds.json",
     ]

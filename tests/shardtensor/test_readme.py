@@ -8,7 +8,7 @@ import meshsim
 from shardtensor import ShardTensor
 
 
-@pytest.mark.world(1, 2, 4)  # three tests: ids world=1, world=2, world=4
+@pytest.mark.world(1, 2, 4)  # three tests: ids world1, world2, world4
 def test_gather_is_one_all_gather(distributed_mesh, rank, world_size, ledger):
     local = torch.full((rank + 1, 8), float(rank))  # uneven shards
     st = ShardTensor.from_local(local, distributed_mesh, [Shard(0)])
