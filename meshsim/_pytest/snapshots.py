@@ -10,7 +10,6 @@ estimated communication time on that topology.
 from __future__ import annotations
 
 import re
-
 from collections import Counter
 from collections.abc import Callable, Generator
 from pathlib import Path

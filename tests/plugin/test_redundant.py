@@ -1,4 +1,4 @@
-"""--mesh-redundant={off,summary,report,error} and the allow_redundant marker, driven from outside with pytester."""
+"""--mesh-redundant={off,summary,report,error} and the allow_redundant marker, from outside (pytester)."""
 
 from __future__ import annotations
 
