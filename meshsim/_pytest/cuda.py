@@ -50,7 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def _install(config: pytest.Config, value: str | None) -> None:
     if value in (None, "", "off"):
         return
-    from meshsim._process import cuda
+    from meshsim._engine import cuda
 
     world_size = getattr(config.known_args_namespace, "world_size", None) or 4
     try:
@@ -69,7 +69,7 @@ def _install(config: pytest.Config, value: str | None) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     if config.stash.get(_INSTALLED, False):
-        from meshsim._process import cuda
+        from meshsim._engine import cuda
 
         config.stash[_INSTALLED] = False
         cuda.leave_rank()
