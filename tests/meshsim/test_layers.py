@@ -11,5 +11,6 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "import_graph.py"
 
 def test_no_import_circle_and_no_upward_import() -> None:
     result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
-    assert result.stdout.splitlines()[-1] == "0 circle(s), upward import(s) or import(s) past the engine's face", result.stdout
+    last = result.stdout.splitlines()[-1]
+    assert last == "0 circle(s), upward import(s) or import(s) past the engine's face", result.stdout
     assert result.returncode == 0
