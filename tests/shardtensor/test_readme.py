@@ -1,4 +1,7 @@
-"""The README's example tests, verbatim, so the guide cannot drift from what runs."""
+"""The README's and the docs' example tests, verbatim, so the guide cannot drift from what runs.
+
+The docs include the ``# --8<--`` sections below (pymdownx.snippets).
+"""
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import meshsim
 from shardtensor import ShardTensor
 
 
+# --8<-- [start:gather]
 @pytest.mark.world(1, 2, 4)  # three tests: ids world=1, world=2, world=4
 def test_gather_is_one_all_gather(distributed_mesh, rank, world_size, ledger):
     local = torch.full((rank + 1, 8), float(rank))  # uneven shards
@@ -16,13 +20,16 @@ def test_gather_is_one_all_gather(distributed_mesh, rank, world_size, ledger):
 
     assert full.shape == (sum(range(1, world_size + 1)), 8)
     assert ledger.counts() == {"all_gather": 2}  # shape inference + the gather
+    # --8<-- [end:gather]
 
 
+# --8<-- [start:snapshot]
 @pytest.mark.world(2, 4)
 def test_reshard_collectives_are_pinned(distributed_mesh, rank, ledger_snapshot):
     local = torch.full((rank + 1, 8), float(rank))  # uneven shards
     st = ShardTensor.from_local(local, distributed_mesh, [Shard(0)])
     st.redistribute(placements=[Shard(1)])
+    # --8<-- [end:snapshot]
 
 
 @pytest.mark.world(4)
@@ -43,6 +50,7 @@ def test_the_operators_example(distributed_mesh, rank) -> None:
     torch.testing.assert_close(value, (torch.relu(rows @ w) * 2 + bias).mean())
 
 
+# --8<-- [start:round_trip]
 GLOBAL = (1, 16, 512, 256)  # 4 ranks, each a (1, 4, 512, 256) bfloat16 shard
 
 
@@ -56,3 +64,4 @@ def test_round_trip(distributed_mesh, mode):
     y = st.redistribute(placements=[Shard(2)]).to_local()
     z = ShardTensor.from_local(y, distributed_mesh, [Shard(2)], mode, shape)
     z.redistribute(placements=[Shard(1)])
+    # --8<-- [end:round_trip]
