@@ -1,7 +1,11 @@
 """The README's and the docs' example tests, verbatim, so the guide cannot drift from what runs.
 
-The docs include the ``# --8<--`` sections below (pymdownx.snippets).
+The docs include the ``# --8<--`` sections below (pymdownx.snippets); the README's one
+test is copied, and checked here to be one of this file's.
 """
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +69,16 @@ def test_round_trip(distributed_mesh, mode):
     z = ShardTensor.from_local(y, distributed_mesh, [Shard(2)], mode, shape)
     z.redistribute(placements=[Shard(1)])
     # --8<-- [end:round_trip]
+
+
+def test_the_readme_shows_one_of_these_tests() -> None:
+    """The README's example test is one of this file's, character for character."""
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"no README.md at {readme} (meshsim installed without its repository)")
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(encoding="utf-8"), re.S)
+    tests = [block[block.index("@pytest.mark") :] for block in blocks if "def test_" in block]
+    assert tests, "README.md shows no example test"
+    source = Path(__file__).read_text(encoding="utf-8")
+    for test in tests:
+        assert test in source, f"README.md's example test is not in {Path(__file__).name}:\n{test}"
