@@ -1,7 +1,7 @@
 """The README's and the docs' example tests, verbatim, so the guide cannot drift from what runs.
 
-The docs include the ``# --8<--`` sections below (pymdownx.snippets); the README's one
-test is copied, and checked here to be one of this file's.
+Every example test in README.md and docs/*.md is one of this file's, character for
+character: the last test here checks it.
 """
 
 import re
@@ -15,7 +15,6 @@ import meshsim
 from shardtensor import ShardTensor
 
 
-# --8<-- [start:gather]
 @pytest.mark.world(1, 2, 4)  # three tests: ids world=1, world=2, world=4
 def test_gather_is_one_all_gather(distributed_mesh, rank, world_size, ledger):
     local = torch.full((rank + 1, 8), float(rank))  # uneven shards
@@ -24,16 +23,13 @@ def test_gather_is_one_all_gather(distributed_mesh, rank, world_size, ledger):
 
     assert full.shape == (sum(range(1, world_size + 1)), 8)
     assert ledger.counts() == {"all_gather": 2}  # shape inference + the gather
-    # --8<-- [end:gather]
 
 
-# --8<-- [start:snapshot]
 @pytest.mark.world(2, 4)
 def test_reshard_collectives_are_pinned(distributed_mesh, rank, ledger_snapshot):
     local = torch.full((rank + 1, 8), float(rank))  # uneven shards
     st = ShardTensor.from_local(local, distributed_mesh, [Shard(0)])
     st.redistribute(placements=[Shard(1)])
-    # --8<-- [end:snapshot]
 
 
 @pytest.mark.world(4)
@@ -54,7 +50,6 @@ def test_the_operators_example(distributed_mesh, rank) -> None:
     torch.testing.assert_close(value, (torch.relu(rows @ w) * 2 + bias).mean())
 
 
-# --8<-- [start:round_trip]
 GLOBAL = (1, 16, 512, 256)  # 4 ranks, each a (1, 4, 512, 256) bfloat16 shard
 
 
@@ -68,17 +63,32 @@ def test_round_trip(distributed_mesh, mode):
     y = st.redistribute(placements=[Shard(2)]).to_local()
     z = ShardTensor.from_local(y, distributed_mesh, [Shard(2)], mode, shape)
     z.redistribute(placements=[Shard(1)])
-    # --8<-- [end:round_trip]
 
 
-def test_the_readme_shows_one_of_these_tests() -> None:
-    """The README's example test is one of this file's, character for character."""
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    if not readme.is_file():
-        pytest.skip(f"no README.md at {readme} (meshsim installed without its repository)")
-    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(encoding="utf-8"), re.S)
-    tests = [block[block.index("@pytest.mark") :] for block in blocks if "def test_" in block]
-    assert tests, "README.md shows no example test"
+@pytest.mark.world(4)
+def test_reshard(distributed_mesh, rank):
+    torch.manual_seed(rank)  # each rank its own values, as real shards have
+    local = torch.randn(2, 8)  # an even layout: every rank's shard is 2 x 8
+    st = ShardTensor.from_local(local, distributed_mesh, [Shard(0)])  # sharding_shapes="infer"
+    st.redistribute(placements=[Shard(1)])
+
+
+def test_the_guide_shows_these_tests_verbatim() -> None:
+    """Every example test in README.md and docs/*.md is one of this file's, character for character."""
+    root = Path(__file__).resolve().parents[2]
+    guide = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    if not guide[0].is_file():
+        pytest.skip(f"no README.md in {root} (meshsim installed without its repository)")
     source = Path(__file__).read_text(encoding="utf-8")
-    for test in tests:
-        assert test in source, f"README.md's example test is not in {Path(__file__).name}:\n{test}"
+    shown = 0
+    for page in guide:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            start = re.search(r"^(@pytest\.mark|def test_)", block, re.M)
+            if start is None:
+                continue  # not a test: a snippet of API use
+            shown += 1
+            test = block[start.start() :]
+            assert test in source, (
+                f"{page.relative_to(root)} shows a test that is not in {Path(__file__).name}:\n{test}"
+            )
+    assert shown, "README.md and docs/ show no example test"
