@@ -227,7 +227,7 @@ def library_code(*names: str) -> Iterator[list[str]]:
             without importing them) or folder paths.
 
     Returns:
-        a context manager; it yields the folders it added.
+        a context manager; it yields the folders of the names given.
 
     Raises:
         ValueError: a name that is neither an importable module nor an existing folder.
