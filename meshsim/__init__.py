@@ -1,6 +1,9 @@
 """meshsim: run distributed PyTorch code on N simulated ranks, with an exact collective ledger.
 
 See the README for a guide; every name below is documented where it is defined.
+
+PYTEST_DONT_REWRITE: a program may import this package before it runs pytest in-process,
+and pytest would warn that it cannot rewrite it; it has no asserts to rewrite.
 """
 
 from meshsim._base.errors import (

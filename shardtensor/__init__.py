@@ -2,6 +2,9 @@
 
 It speaks ``torch.distributed`` only, so the same code runs on simulated ranks,
 gloo and NCCL. See :class:`ShardTensor` for the API.
+
+PYTEST_DONT_REWRITE: a program may import this package before it runs pytest in-process,
+and pytest would warn that it cannot rewrite it; it has no asserts to rewrite.
 """
 
 from shardtensor._promotion import TensorPromotionMode
