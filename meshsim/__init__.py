@@ -20,6 +20,7 @@ from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
 from meshsim._observe.topology import Topology, topology
 from meshsim._process.handover import per_rank
 from meshsim._record.ledger import Collective, Ledger, record
+from meshsim._record.regions import region
 from meshsim._record.sites import library_code
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "library_code",
     "per_rank",
     "record",
+    "region",
     "run",
     "topology",
 ]

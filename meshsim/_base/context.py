@@ -16,7 +16,9 @@ what is open here?":
   functions draw from the rank's own generators, and those generators (made on
   first draw);
 - ``child_cpus``: the CPUs a process forked from the thread runs on, where meshsim
-  pinned the thread to fewer (a rank of a serialized world).
+  pinned the thread to fewer (a rank of a serialized world);
+- ``regions``: where the thread's :func:`meshsim.region` blocks go, while something
+  collects them (``meshsim run``'s ranks), else None.
 
 The record is a ``threading.local`` whose class attributes are the values of a
 thread that is no rank: reading a field costs one attribute lookup in C, which
@@ -68,6 +70,7 @@ class Context(threading.local):
     python_rng: Any = None
     numpy_rng: Any = None
     child_cpus: frozenset[int] | None = None
+    regions: list[Any] | None = None
 
     def __init__(self) -> None:
         # runs once in each thread that touches the record: every thread its own list

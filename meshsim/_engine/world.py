@@ -78,6 +78,7 @@ def run(
     redundant: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
     cuda: str | None = None,
+    nnodes: int = 1,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank of a simulated world and return the results.
 
@@ -122,6 +123,9 @@ def run(
             streams, the CUDA RNG; see the README's "GPU code without a GPU");
             ``"cuda:N"``: every rank's ``cuda:k`` is this process's one GPU ``N``. None
             (the default): ``MESHSIM_CUDA``'s value, else off.
+        nnodes: simulated nodes of ``world_size // nnodes`` ranks each: the environment
+            says so as torchrun's does for that many nodes (``LOCAL_RANK``, ``GROUP_RANK``,
+            ``LOCAL_WORLD_SIZE``, ...; ``sim`` only). It must divide ``world_size``.
 
     Returns:
         each rank's return value, in rank order.
@@ -147,6 +151,7 @@ def run(
             num_threads=num_threads,
             redundant=redundant,
             cuda=cuda,
+            nnodes=nnodes,
         )
         return _run_once(world, fn, args, kwargs, trace)
     except RankError as error:
@@ -290,7 +295,7 @@ class World:
         world_size: the number of ranks (1 or more).
 
     Keyword args:
-        timeout, backend, serialize, gpu_paths, num_threads, redundant, cuda: as for
+        timeout, backend, serialize, gpu_paths, num_threads, redundant, cuda, nnodes: as for
             :func:`meshsim.run`.
 
     Raises:
@@ -308,8 +313,15 @@ class World:
         num_threads: int | str | None = 1,
         redundant: bool | None = None,
         cuda: str | None = None,
+        nnodes: int = 1,
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1 or world_size % nnodes:
+            raise ValueError(
+                f"nnodes must be a positive int that divides world_size {world_size} "
+                f"(nodes of equal size, as torchrun starts them), got {nnodes!r}"
+            )
+        self.nnodes = nnodes
         if redundant is not None and not isinstance(redundant, bool):
             raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
         # parsed now, so a bad value fails before any thread starts
@@ -434,7 +446,7 @@ class World:
         reseed = saved.reseeds(previous)
         _state.apply_environ_changes(self._env)
         if self.serialize:
-            _state.set_world_environment(self.world_size)
+            _state.set_world_environment(self.world_size, self.nnodes)
         label = name or name_of(fn)
         self._observe(label, None, traced=traced)
         try:
@@ -580,8 +592,8 @@ class World:
         self.kind.prepare()  # after the caller's state was captured: close() puts it back
         self.store = self.kind.store(self.scheduler)
         if self.serialize:
+            _state.set_world_environment(self.world_size, self.nnodes)  # before the ranks' values
             caller.slots.start(self.world_size)
-            _state.set_world_environment(self.world_size)
         for rank, worker in enumerate(self.workers):
             worker.assign(functools.partial(self._rank_main, rank), self.jobs, f"meshsim-rank-{rank}")
         for worker in self.new_workers:  # they inherit the caller's pinning

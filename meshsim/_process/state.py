@@ -46,7 +46,14 @@ def _declare_rank_state() -> None:
     if torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
         declare_accessor("torch's CUDA RNGs", get=_cuda_rng, set=_set_cuda_rng, moved=_cuda_rng_moved)
     declare_accessor("the default dtype", get=torch.get_default_dtype, set=_set_dtype)
-    declare_accessor("RANK and LOCAL_RANK", get=None, set=_set_environ, start=lambda _, rank: _rank_env(rank))
+    # The node layout comes from LOCAL_WORLD_SIZE, which the world sets just before its ranks'
+    # starting values are taken (set_world_environment).
+    declare_accessor(
+        "RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK",
+        get=None,
+        set=_set_environ,
+        start=lambda _, rank: _rank_env(rank, _local_world_size()),
+    )
 
 
 def _cuda_rng() -> list[torch.Tensor] | None:
@@ -67,14 +74,15 @@ def _cuda_rng_moved(before: list[torch.Tensor] | None, now: list[torch.Tensor] |
     return before is None or any(not torch.equal(a, b) for a, b in zip(before, now))
 
 
-def set_world_environment(world_size: int) -> None:
+def set_world_environment(world_size: int, nnodes: int = 1) -> None:
     """Set the environment every rank of a world shares (at its start, and at a session's calls).
 
-    As torchrun sets it: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, and ``MASTER_ADDR`` /
-    ``MASTER_PORT`` where the caller has none (code written for torchrun reads them
-    before its ``init_process_group``, which a rank adopts).
+    As torchrun sets it for ``nnodes`` nodes of ``world_size // nnodes`` ranks:
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``, ``ROLE_WORLD_SIZE``, and
+    ``MASTER_ADDR`` / ``MASTER_PORT`` where the caller has none (code written for torchrun
+    reads them before its ``init_process_group``, which a rank adopts).
     """
-    _set_environ(_world_env(world_size))
+    _set_environ(_world_env(world_size, nnodes))
     if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
         _set_environ(_MASTER_ENV)
 
@@ -167,18 +175,37 @@ def apply_environ_changes(changes: dict[str, str | None]) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_env(rank: int) -> tuple[tuple[str, str], ...]:
-    """A rank's own variables, RANK and LOCAL_RANK."""
-    return (("RANK", str(rank)), ("LOCAL_RANK", str(rank)))
+def _rank_env(rank: int, local_world_size: int) -> tuple[tuple[str, str], ...]:
+    """A rank's own variables, as torchrun sets them: RANK, LOCAL_RANK, GROUP_RANK (its node), ROLE_RANK."""
+    local, node = rank % local_world_size, rank // local_world_size
+    return (
+        ("RANK", str(rank)),
+        ("LOCAL_RANK", str(local)),
+        ("GROUP_RANK", str(node)),
+        ("ROLE_RANK", str(rank)),
+    )
+
+
+def _local_world_size() -> int:
+    """The ranks per node of the world starting now (set by :func:`set_world_environment`)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 # Never connected to: a rank's init_process_group adopts its group (see _patches).
 _MASTER_ENV = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"))
 
 
-def _world_env(world_size: int) -> tuple[tuple[str, str], ...]:
+def _world_env(world_size: int, nnodes: int = 1) -> tuple[tuple[str, str], ...]:
     """The variables every rank of a world shares."""
-    return (("WORLD_SIZE", str(world_size)), ("LOCAL_WORLD_SIZE", str(world_size)))
+    return (
+        ("WORLD_SIZE", str(world_size)),
+        ("LOCAL_WORLD_SIZE", str(world_size // nnodes)),
+        ("GROUP_WORLD_SIZE", str(nnodes)),
+        ("ROLE_WORLD_SIZE", str(world_size)),
+    )
 
 
 def _set_environ(items: tuple[tuple[str, str], ...]) -> None:
@@ -246,6 +273,6 @@ def _restore_environ(saved: dict[Any, Any]) -> None:
 
 
 # What a rank's own environment holds (set at hand-overs and at the world's start).
-_RANK_KEYS = [key for pairs in (_rank_env(0), _world_env(1), _MASTER_ENV) for key, _ in pairs]
+_RANK_KEYS = [key for pairs in (_rank_env(0, 1), _world_env(1), _MASTER_ENV) for key, _ in pairs]
 
 _declare_rank_state()

@@ -1,1 +1,1 @@
-"""What the backends record into, below them: the ledger, call sites, the dispatch recorder (gloo, spawn, torchrun)."""
+"""What the backends record into, below them: the ledger, call sites, the dispatch recorder."""
