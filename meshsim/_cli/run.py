@@ -287,6 +287,8 @@ def run_command(args: argparse.Namespace) -> int:
     if args.ledger is not None:
         _write_ledgers(results, args.ledger)
     if args.trace is not None:
+        if args.cost is not None:
+            _add_gpu_clock(args.trace, results, args.cost)
         print(f"meshsim run: trace written to {args.trace}")
     return 0
 
@@ -356,6 +358,19 @@ def _human(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def _add_gpu_clock(path: str, runs: Sequence[Any], topology: str) -> None:
+    """Add every rank's calls on the estimated GPU clock to the trace, as a second process."""
+    import meshsim
+    from meshsim._observe.trace import gpu_clock_events
+
+    with open(path, encoding="utf-8") as source:
+        document = json.load(source)
+    calls = [list(run.ledger.calls) for run in runs]
+    document["traceEvents"] += gpu_clock_events(calls, meshsim.topology(topology))
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(document, out)
 
 
 def _write_ledgers(runs: Sequence[Any], path: str) -> None:

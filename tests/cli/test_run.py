@@ -124,7 +124,18 @@ def test_the_ledger_file_has_every_rank_and_region(
     script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ledger, trace = tmp_path / "ledger.json", tmp_path / "trace.json"
-    assert main(["run", "--nproc-per-node", "2", "--ledger", str(ledger), "--trace", str(trace), script]) == 0
+    command = [
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--ledger",
+        str(ledger),
+        "--trace",
+        str(trace),
+        "--cost",
+        "pcie",
+    ]
+    assert main([*command, script]) == 0
     document = json.loads(ledger.read_text())
     assert document["world_size"] == 2
     for rank, entry in enumerate(document["ranks"]):
@@ -141,6 +152,8 @@ def test_the_ledger_file_has_every_rank_and_region(
         assert calls[0]["site"].startswith("train.py:")
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"all_reduce", "broadcast", "barrier"}
+    processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert "estimated GPU clock, pcie" in processes  # --cost adds the GPU clock
     out = capsys.readouterr().out
     assert f"every rank's ledger written to {ledger}" in out and f"trace written to {trace}" in out
 
