@@ -307,6 +307,10 @@ def summary(name: str, runs: Sequence[Any], backend: str, topology: str | None) 
         lines += _region_lines(region, times, runs, topology)
     whole = [run.ledger for run in runs]
     lines.append(f"  whole run: {_calls(whole[0].calls)} on rank 0{_cost(whole, topology)}")
+    wasted = [(i, c) for i, c in enumerate(whole[0].calls) if c.redundant]
+    if wasted:  # --redundant
+        lines.append(f"  {len(wasted)} of rank 0's collectives told no rank anything new; the first:")
+        lines += [f"    #{i} {c.api} at {c.site}: {c.redundant}" for i, c in wasted[:3]]
     if not regions:
         lines.append(
             '  (mark a training step with `with meshsim.region("step"):` to see one step\'s collectives)'

@@ -120,6 +120,16 @@ def test_the_summary_shows_each_step_and_its_estimate(
     )
 
 
+@pytest.mark.allow_redundant  # the script's calls, found by its own world (this test's finding too)
+def test_redundant_reports_wasted_calls(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--nproc-per-node", "2", "--redundant", script]) == 0
+    out = capsys.readouterr().out
+    assert "  3 of rank 0's collectives told no rank anything new; the first:" in out
+    assert "#1 broadcast at train.py:16 in <module>: every rank already held the root's 16 bytes" in out
+    assert main(["run", "--nproc-per-node", "2", script]) == 0
+    assert "told no rank anything new" not in capsys.readouterr().out  # not looked for by default
+
+
 def test_the_ledger_file_has_every_rank_and_region(
     script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
