@@ -7,9 +7,9 @@ within 1e-5 relative: the rounding of sums taken in another order):
     torchrun --standalone --nproc-per-node=8 examples/train_llama.py         # tp 2 x dp 4
     torchrun --standalone --nproc-per-node=8 examples/train_llama.py --pp 2  # pp 2 x dp 2 x tp 2
 
-and on 8 simulated ranks, with the wrapper in docs/training-scripts.md (until ``meshsim run``):
+and on 8 simulated ranks in one process, with the same command line as torchrun's:
 
-    run_script("examples/train_llama.py", 8, "--pp", "2")
+    meshsim run --nproc-per-node=8 examples/train_llama.py --pp 2            # ends with each step's collectives
 
 Every rank builds the whole model from ``--seed`` on the CPU, then keeps its part: its pipeline
 stage's layers (``--pp``, torch.distributed.pipelining), its tensor-parallel shards (``--tp``,
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from meshsim import region  # meshsim marks the step's collectives
-except ImportError:
+    from meshsim import region  # meshsim run's summary shows each step's collectives
+except ImportError:  # without meshsim: the script runs the same
     from contextlib import nullcontext as region
 
 

@@ -319,19 +319,24 @@ def summary(name: str, runs: Sequence[Any], backend: str, topology: str | None) 
 
 
 def _region_lines(region: str, times: int, runs: Sequence[Any], topology: str | None) -> list[str]:
-    """One line per time rank 0 ended the region: its collectives, and their estimate across ranks."""
+    """The region's collectives and estimate, one line per run of times that repeat the one before."""
     per_rank = [[ledger for name, ledger in run.regions if name == region] for run in runs]
     lines = [f'  region "{region}": {times} time{"s" if times != 1 else ""}']
-    before: tuple[Any, ...] | None = None
+    previous: tuple[Any, ...] | None = None  # (shape, cost) of the line being extended
+    first = 0
     for k in range(times):
         if any(k >= len(mine) for mine in per_rank):
             lines.append(f"    #{k + 1}: not every rank ended it")
+            previous = None
             continue
         ledgers = [mine[k] for mine in per_rank]
-        shape = tuple(_shape(c) for c in ledgers[0].calls)
-        text = "the same collectives as the one before" if shape == before else _calls(ledgers[0].calls)
-        before = shape
-        lines.append(f"    #{k + 1}: {text} on rank 0{_cost(ledgers, topology)}")
+        key = (tuple(_shape(c) for c in ledgers[0].calls), _cost(ledgers, topology))
+        text = _calls(ledgers[0].calls)
+        if key == previous:
+            lines[-1] = f"    #{first + 1}-#{k + 1}: {text} on rank 0, each time{key[1]}"
+            continue
+        previous, first = key, k
+        lines.append(f"    #{k + 1}: {text} on rank 0{key[1]}")
     return lines
 
 

@@ -113,9 +113,10 @@ def test_the_summary_shows_each_step_and_its_estimate(
         "    #1: 2 collectives (all_reduce 1, broadcast 1), 16 B received on rank 0; estimated "
     )
     assert summary[2].endswith(" on dgx-h100 (critical path over 2 ranks)")
-    assert summary[3].startswith("    #2: 1 collective (all_reduce 1), 16 B received on rank 0; estimated ")
-    assert summary[4].startswith("    #3: the same collectives as the one before on rank 0; estimated ")
-    assert summary[5].startswith(
+    assert summary[3].startswith(
+        "    #2-#3: 1 collective (all_reduce 1), 16 B received on rank 0, each time; estimated "
+    )
+    assert summary[4].startswith(
         "  whole run: 5 collectives (all_reduce 3, barrier 1, broadcast 1), 48 B received"
     )
 
