@@ -350,7 +350,7 @@ def _check_nccl(backend: Any, rank: int) -> None:
         f"init_process_group(backend={backend!r}) in rank {rank}: NCCL needs CUDA, and this process has "
         "no GPU (torch.cuda.is_available() is False), so a real process would fail here too. To run code "
         "written for GPUs on simulated ranks, emulate CUDA on the CPU: pytest --mesh-cuda=cpu, "
-        "meshsim.run(..., cuda='cpu') or MESHSIM_CUDA=cpu."
+        "meshsim run --cuda cpu, meshsim.run(..., cuda='cpu') or MESHSIM_CUDA=cpu."
     )
 
 
