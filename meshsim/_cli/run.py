@@ -285,7 +285,7 @@ def run_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     print(summary(target.name, results, args.backend, args.cost))
     if args.ledger is not None:
-        _write_ledgers(results, args.ledger)
+        _write_ledgers(results, args.ledger, ranks)
     if args.trace is not None:
         if args.cost is not None:
             _add_gpu_clock(args.trace, results, args.cost)
@@ -385,11 +385,13 @@ def _add_gpu_clock(path: str, runs: Sequence[Any], topology: str) -> None:
         json.dump(document, out)
 
 
-def _write_ledgers(runs: Sequence[Any], path: str) -> None:
-    """Every rank's ledger: tables on stdout (``-``), or JSON in ``path``."""
+def _write_ledgers(runs: Sequence[Any], path: str, shown: frozenset[int] | None) -> None:
+    """Every rank's ledger: tables on stdout (``-``; the ranks ``--local-ranks-filter`` shows), or
+    JSON in ``path`` (every rank)."""
     if path == "-":
         for rank, run in enumerate(runs):
-            print(f"--- rank {rank}'s ledger\n{run.ledger}")
+            if shown is None or rank in shown:
+                print(f"--- rank {rank}'s ledger\n{run.ledger}")
         return
     regions: dict[int, str] = {}
     for run in runs:

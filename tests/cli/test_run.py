@@ -107,6 +107,9 @@ def test_the_summary_shows_each_step_and_its_estimate(
     )
     out = capsys.readouterr().out
     assert "[rank1]" not in out and "[rank0]:STATE" in out  # the filter
+    assert main(["run", "--nproc-per-node", "2", "--local-ranks-filter", "1", "--ledger=-", script]) == 0
+    tables = capsys.readouterr().out
+    assert "--- rank 1's ledger" in tables and "--- rank 0's ledger" not in tables
     summary = out[out.index("meshsim run:") :].splitlines()
     assert summary[1] == '  region "step": 3 times'
     assert summary[2].startswith(
