@@ -9,7 +9,7 @@ within 1e-5 relative: the rounding of sums taken in another order):
 
 and on 8 simulated ranks in one process, with the same command line as torchrun's:
 
-    meshsim run --nproc-per-node=8 examples/train_llama.py --pp 2            # ends with each step's collectives
+    meshsim run --nproc-per-node=8 examples/train_llama.py --pp 2    # prints each step's collectives
 
 Every rank builds the whole model from ``--seed`` on the CPU, then keeps its part: its pipeline
 stage's layers (``--pp``, torch.distributed.pipelining), its tensor-parallel shards (``--tp``,
