@@ -184,6 +184,16 @@ def test_a_rank_that_raises_fails_the_run_naming_it(script: str, capsys: pytest.
     assert "RuntimeError: boom on rank 1" in err and 'train.py", line ' in err
 
 
+def test_on_gloo_a_rank_that_raises_fails_the_run_naming_it(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["run", "--nproc-per-node", "2", "--backend", "gloo", "--timeout", "5", script, "--raise"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "train.py failed on simulated ranks:\nrank 1 of 2 raised; its traceback:" in err
+    assert "RuntimeError: boom on rank 1" in err
+
+
 def test_a_rank_that_exits_non_zero_is_the_runs_status(
     script: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
