@@ -16,6 +16,9 @@ from meshsim import Ledger
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
+# Inductor compiles C++ (half a minute from a cold cache on 2 cores): the slow tier.
+COMPILERS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+
 
 def double_then_sum(x: torch.Tensor) -> torch.Tensor:
     return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
@@ -31,17 +34,18 @@ def _compiled_collective(compiler: str, rank: int, ledger: Ledger) -> None:
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", COMPILERS)
 def test_compiled_collectives_on_simulated_ranks(compiler: str, rank: int, ledger: Ledger) -> None:
     _compiled_collective(compiler, rank, ledger)
 
 
 @pytest.mark.world(2, backend="gloo")
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", COMPILERS)
 def test_compiled_collectives_on_gloo_ranks(compiler: str, rank: int, ledger: Ledger) -> None:
     _compiled_collective(compiler, rank, ledger)
 
 
+@pytest.mark.slow  # a process per rank, each importing torch and compiling
 @pytest.mark.world(2, backend="spawn")
 def test_compiled_collectives_on_spawned_ranks(rank: int, ledger: Ledger) -> None:
     _compiled_collective("aot_eager", rank, ledger)

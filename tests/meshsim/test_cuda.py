@@ -254,6 +254,7 @@ def test_fsdp2_on_a_cuda_mesh_trains_as_on_the_cpu():
         assert counts == {"all_gather": 3 * 4, "reduce_scatter": 3 * 2}, counts
 
 
+@pytest.mark.slow  # three Inductor compiles
 def test_torch_compile_of_a_function_taking_cuda_tensors():
     def body():
         from torch._dynamo.testing import CompileCounter
@@ -390,6 +391,7 @@ def _spawned_rank(rank, world_size, port):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # mp.spawn: two fresh processes that import torch and join a gloo group
 def test_processes_the_code_spawns_emulate_too():
     """torch.multiprocessing.spawn's children (PhysicsNeMo's dynamic tests) emulate; NCCL groups are gloo."""
     import socket

@@ -9,6 +9,7 @@ timeout and a probe of its CPU clock (as long as the timeout, a second at most).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -86,3 +87,28 @@ def test_a_rank_blocked_on_a_lock_is_reported_after_the_timeout() -> None:
     assert error.timed_out and error.ranks == (0,)
     assert error.states[0] == "running its own code"
     assert error.states[1] == "ready, waiting for its turn to run"  # serialized: rank 0 holds the baton
+
+
+def test_a_rank_napping_in_short_sleeps_is_probed_longer_then_reported() -> None:
+    """A rank sleeping 5 ms at a time uses a little CPU (about 0.5%): too little to be
+    computing (2%), too much to be surely blocked (0.1%). The world reads its CPU clock
+    again over two and then four times the probe before it reports the rank. (The
+    property tests' sleep fault naps longer, to be reported after a single probe.)"""
+
+    def body() -> None:
+        if dist.get_rank() == 1:
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                time.sleep(0.005)
+        dist.barrier()
+
+    with pytest.raises(meshsim.DeadlockError, match="They used no CPU") as info:
+        meshsim.run(body, 2, timeout=TIMEOUT)
+    error = info.value
+    assert error.timed_out and error.ranks == (1,)
+    assert error.states[1] == "running its own code"
+    assert "waiting in barrier()" in error.states[0]
+    idle = re.search(r"made no progress for ([\d.]+) s", str(error))
+    assert idle is not None
+    # the timeout, then probes of 1, 2 and 4 timeouts (the message rounds to tenths)
+    assert float(idle.group(1)) >= (1 + 1 + 2 + 4) * TIMEOUT - 0.1

@@ -157,6 +157,7 @@ def test_gpus_per_node_moves_a_group_across_nodes(pytester: pytest.Pytester) -> 
     )
 
 
+@pytest.mark.slow  # gloo and spawned ranks; ./dev test prices simulated ones
 @pytest.mark.parametrize("backend", ["gloo", "spawn"])
 def test_other_backends_price_the_same_ledgers(pytester: pytest.Pytester, backend: str) -> None:
     pytester.makepyfile(test_program=PROGRAM)
@@ -167,6 +168,7 @@ def test_other_backends_price_the_same_ledgers(pytester: pytest.Pytester, backen
     result.stdout.fnmatch_lines(rows if backend == "gloo" else rows[1:], consecutive=True)
 
 
+@pytest.mark.slow  # two inner sessions, one with two xdist workers
 def test_the_simulated_static_suite_and_xdist_workers_price_their_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_static="""
@@ -194,6 +196,7 @@ def test_the_simulated_static_suite_and_xdist_workers_price_their_tests(pytester
     spread.stdout.fnmatch_lines([_row("test_gather", 4, 1)])  # counted by xdist's controller
 
 
+@pytest.mark.slow  # torchrun
 def test_torchrun_ranks_price_the_gathered_ledgers(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_static="""
@@ -237,6 +240,8 @@ def test_torchrun_ranks_price_the_gathered_ledgers(pytester: pytest.Pytester) ->
     )
 
 
+# An inner pytest each: ./dev test keeps one case per check (topology name, field value,
+# budget, budget without topology), the slow tier the rest.
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -245,32 +250,36 @@ def test_torchrun_ranks_price_the_gathered_ledgers(pytester: pytest.Pytester) ->
             "*--mesh-cost=dgx-h200: unknown topology 'dgx-h200'; expected one of dgx-a100, dgx-h100, "
             "gb200-nvl72, pcie, optionally followed by :FIELD=VALUE,... (e.g. dgx-h100:gpus_per_node=4)*",
         ),
-        (
+        pytest.param(
             ["--mesh-cost=dgx-h100:gpus=4"],
             "*--mesh-cost=dgx-h100:gpus=4: 'gpus=4' is not FIELD=VALUE with FIELD one of gpus_per_node, "
             "intra_bandwidth, *",
+            marks=pytest.mark.slow,
         ),
         (
             ["--mesh-cost=pcie:gpus_per_node=four"],
             "*--mesh-cost=pcie:gpus_per_node=four: gpus_per_node='four' is not a whole number*",
         ),
-        (
+        pytest.param(
             ["--mesh-cost=pcie:gpus_per_node=0"],
             "*--mesh-cost=pcie:gpus_per_node=0: gpus_per_node must be at least 1, got 0*",
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             ["--mesh-cost=pcie:inter_bandwidth=-5"],
             "*--mesh-cost=pcie:inter_bandwidth=-5: topology 'pcie:inter_bandwidth=-5': inter_bandwidth must "
             "be a finite number above 0 (bytes per second), got -5.0*",
+            marks=pytest.mark.slow,
         ),
         (
             ["--mesh-cost=pcie", "--mesh-cost-budget=-1ms"],
             "*--mesh-cost-budget=-1ms: expected a positive duration: seconds (0.002) or with a unit "
             "(500us, 2ms, 1.5s)*",
         ),
-        (
+        pytest.param(
             ["--mesh-cost=pcie", "--mesh-cost-budget=0"],
             "*--mesh-cost-budget=0: expected a positive duration*",
+            marks=pytest.mark.slow,
         ),
         (["--mesh-cost-budget=1ms"], "*--mesh-cost-budget needs --mesh-cost=TOPOLOGY to price the tests on*"),
     ],
@@ -287,7 +296,11 @@ def test_bad_options_are_usage_errors_naming_the_value(
 
 @pytest.mark.parametrize(
     ("marker", "shown"),
-    [("'fast'", "'fast'"), ("-1", "-1"), ("", ""), ("1, 2", "1, 2"), ("ms=2", "ms=2")],
+    [
+        ("'fast'", "'fast'"),
+        # an inner pytest each: ./dev test keeps the first
+        *(pytest.param(m, m, marks=pytest.mark.slow) for m in ("-1", "", "1, 2", "ms=2")),
+    ],
     ids=["word", "negative", "empty", "two", "keyword"],
 )
 def test_a_malformed_budget_marker_errors_its_test(
@@ -341,6 +354,7 @@ def _set_estimate(pytester: pytest.Pytester, value: str | None) -> None:
     path.write_text(json.dumps(document))
 
 
+@pytest.mark.slow  # five inner sessions
 def test_a_snapshot_carries_the_estimate_and_fails_when_it_moves(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_program=SNAPSHOT_PROGRAM)
     cost = ["--mesh-cost=dgx-h100", "--mesh-redundant=off"]
@@ -392,6 +406,7 @@ def test_a_snapshot_carries_the_estimate_and_fails_when_it_moves(pytester: pytes
     assert _snapshot(pytester)[ESTIMATE] == big
 
 
+@pytest.mark.slow  # four inner sessions
 def test_an_entry_without_an_estimate_is_not_checked_until_updated(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_program=SNAPSHOT_PROGRAM)
     pytester.runpytest_subprocess().assert_outcomes(passed=1)  # written without --mesh-cost

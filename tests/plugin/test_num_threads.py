@@ -35,7 +35,15 @@ class Bases(DTensorTestBase):
 """
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, "1"), ("2", "2"), ("auto", "cpus")])
+# Two inner sessions a case: ./dev test checks the default, the slow tier the values.
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "1"),
+        pytest.param("2", "2", marks=pytest.mark.slow),
+        pytest.param("auto", "cpus", marks=pytest.mark.slow),
+    ],
+)
 def test_the_variable_sets_every_simulated_ranks_threads(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value: str | None, expected: str
 ) -> None:

@@ -53,6 +53,7 @@ def test_outcomes_on_simulated_ranks(pytester: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("*deadlock*")
 
 
+@pytest.mark.slow  # gloo ranks, released by the group timeout (5 s)
 def test_outcomes_on_gloo_thread_ranks(pytester: pytest.Pytester) -> None:
     # gloo ranks run at once: whether rank 0 fails or rank 1 skips first is a race,
     # so the last case is left out. Ranks left in the barrier by rank 2 are released
@@ -66,6 +67,7 @@ def test_outcomes_on_gloo_thread_ranks(pytester: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("*deadlock*")
 
 
+@pytest.mark.slow  # a process per rank per test
 def test_outcomes_on_spawned_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_outcomes=OUTCOMES)
     # a process per rank per test costs seconds: the two cases that need the most

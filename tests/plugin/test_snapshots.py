@@ -146,6 +146,7 @@ def test_a_file_written_with_the_old_world_ids_still_matches(pytester: pytest.Py
     assert _stored(pytester) == legacy
 
 
+@pytest.mark.slow  # gloo and spawned ranks, three inner sessions
 @pytest.mark.parametrize("backend", ["gloo", "spawn"])
 def test_other_backends_compare_against_the_same_file(pytester: pytest.Pytester, backend: str) -> None:
     pytester.makepyfile(test_program=PROGRAM)
@@ -174,6 +175,7 @@ def test_static(world_size, ledger_snapshot):
 """
 
 
+@pytest.mark.slow  # three inner static jobs
 def test_the_simulated_static_job_keeps_one_entry_per_world_size(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_static=STATIC)
     for size in (2, 3):
@@ -190,6 +192,7 @@ def test_the_simulated_static_job_keeps_one_entry_per_world_size(pytester: pytes
     )
 
 
+@pytest.mark.slow  # an inner session with two xdist workers
 def test_xdist_workers_write_one_module_s_entries_at_once(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_many="""
@@ -207,6 +210,7 @@ def test_xdist_workers_write_one_module_s_entries_at_once(pytester: pytest.Pytes
     assert list(_stored(pytester, "test_many")) == [f"test_n[{n}]" for n in range(8)]
 
 
+@pytest.mark.slow  # torchrun
 def test_torchrun_ranks_gather_their_ledgers_and_rank_0_writes(pytester: pytest.Pytester) -> None:
     """Two torchrun processes against a file written on simulated ranks: matched, created, changed."""
     pytester.makepyfile(test_program=PROGRAM)

@@ -34,6 +34,7 @@ def test_a_conftest_that_defines_the_options_runs_on_simulated_ranks(tree: pytes
     )
 
 
+@pytest.mark.slow  # a process per rank
 def test_with_spawn_the_tree_runs_as_a_torchrun_job_would(tree: pytest.Pytester) -> None:
     result = tree.runpytest_subprocess("--multigpu-static", "--mesh-backend=spawn", "--world-size=2", "-rs")
     assert result.ret == 0

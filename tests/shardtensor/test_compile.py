@@ -90,6 +90,8 @@ def test_aot_eager_matches_eager(distributed_mesh, distributed_mesh_2d, layout_i
         torch.testing.assert_close(grad.to_local(), eager_grad.to_local())
 
 
+# Inductor compiles C++ (half a minute from a cold cache on 2 cores): the slow tier (aot_eager: the fast one).
+@pytest.mark.slow
 @pytest.mark.world(4)
 @pytest.mark.parametrize("layout_id", ["1d-uneven", "2d-empty"])
 def test_inductor_matches_eager(distributed_mesh, distributed_mesh_2d, layout_id) -> None:
@@ -105,7 +107,7 @@ def test_inductor_matches_eager(distributed_mesh, distributed_mesh_2d, layout_id
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_compiled_function_returns_shard_tensors(distributed_mesh, backend) -> None:
     layout = Layout("1d-empty", distributed_mesh, None)
     full = layout.full(4, 3)
