@@ -408,7 +408,11 @@ def critical_path(
     Entries of different ranks are the same call when they have the same group and
     ``seq`` (a send and a recv: the same pair, direction and ``seq``); a group's
     calls repeating a ``seq`` (two process groups over the same ranks) are matched in
-    order. A recv from any source starts when its own rank reaches it.
+    order. A recv from any source starts when its own rank reaches it. Sends that can
+    only complete in a batch (each rank of a pair sends before it receives, as
+    ``batch_isend_irecv`` and pipeline schedules do) are placed when nothing else can
+    move: each such send starts when its rank reaches it, and its recv starts no earlier
+    and after its own rank's send (a batch overlaps them on GPUs: this is an upper bound).
 
     Args:
         ledgers: each rank's ledger (or list of entries): a sequence indexed by global
@@ -433,13 +437,18 @@ def critical_path(
     clock = dict.fromkeys(calls, 0.0)
     done = dict.fromkeys(calls, 0)
     spans: dict[int, list[Span]] = {r: [] for r in calls}
+    posted: dict[_Key, float] = {}  # sends placed ahead of their recv (a batch): when they started
     progressed = True
     while progressed:
         progressed = False
         for rank in calls:
-            while done[rank] < len(calls[rank]) and _ready(rank, keys, done):
-                _place(rank, calls, keys, done, clock, spans, topo, model)
+            while done[rank] < len(calls[rank]) and (
+                _ready(rank, keys, done) or keys[rank][done[rank]][0] in posted
+            ):
+                _place(rank, calls, keys, done, clock, spans, topo, model, posted)
                 progressed = True
+        if not progressed:  # stuck: a batch of sends and receives completes together
+            progressed = _post_sends(calls, keys, done, clock, spans, topo, model, posted)
     _check_finished(calls, keys, done)
     ranks = tuple(sorted(calls))
     return Schedule(ranks, tuple(tuple(spans[r]) for r in ranks))
@@ -503,16 +512,54 @@ def _place(
     spans: dict[int, list[Span]],
     topo: Topology,
     model: CostModel | None,
+    posted: dict[_Key, float],
 ) -> None:
-    """Start the call at the head of ``rank``'s ledger for every rank in it, and end it."""
-    members = keys[rank][done[rank]][1]
-    start = max(clock[m] for m in members)
+    """Start the call at the head of ``rank``'s ledger for every rank in it, and end it.
+
+    A recv whose send was posted ahead (``posted``) is placed for its own rank alone.
+    """
+    key, members = keys[rank][done[rank]]
+    sent = posted.pop(key, None)
+    if sent is not None:
+        members = (rank,)
+    start = max([clock[m] for m in members] + ([sent] if sent is not None else []))
     own = {m: estimate(calls[m][done[m]], topo, rank=m, model=model) for m in members}
     end = start + max(e.seconds for e in own.values())
     for m in members:
         spans[m].append(Span(m, calls[m][done[m]], start, end, own[m]))
         clock[m] = end
         done[m] += 1
+
+
+def _post_sends(
+    calls: dict[int, list[Collective]],
+    keys: _Keys,
+    done: dict[int, int],
+    clock: dict[int, float],
+    spans: dict[int, list[Span]],
+    topo: Topology,
+    model: CostModel | None,
+    posted: dict[_Key, float],
+) -> bool:
+    """Place every stuck send whose recv its peer makes later, each on its own rank; False if none."""
+    stuck = []
+    for rank in calls:
+        if done[rank] >= len(calls[rank]):
+            continue
+        call = calls[rank][done[rank]]
+        key = keys[rank][done[rank]][0]
+        if call.op != "send" or call.peer is None or call.peer not in keys:
+            continue
+        if any(later == key for later, _ in keys[call.peer][done[call.peer] :]):
+            stuck.append((rank, call, key))  # else its recv never comes: reported as not lining up
+    for rank, call, key in stuck:
+        start = clock[rank]
+        own = estimate(call, topo, rank=rank, model=model)
+        spans[rank].append(Span(rank, call, start, start + own.seconds, own))
+        clock[rank] = start + own.seconds
+        done[rank] += 1
+        posted[key] = start
+    return bool(stuck)
 
 
 def _check_finished(

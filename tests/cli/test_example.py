@@ -43,7 +43,4 @@ def test_simulated_ranks_train_to_the_same_losses(
     out = capsys.readouterr().out
     assert _losses(out) == pytest.approx(alone, rel=1e-5)
     assert '  region "step": 2 times' in out  # the example marks its steps
-    if not layout:
-        assert "estimated" in out
-    else:  # pipelining's batched sends and receives: the cost model cannot line them up yet
-        assert "not priced on dgx-h100: the ledgers do not line up" in out
+    assert "estimated" in out and "not priced" not in out  # pipelining's batched p2p too

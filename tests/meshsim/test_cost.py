@@ -454,6 +454,20 @@ def test_a_recv_from_any_source_starts_on_its_own_clock() -> None:
     assert schedule.of(1)[0].start == 0.0 and schedule.finish(0) == 0.0
 
 
+def test_a_batch_where_both_ranks_send_first_is_priced() -> None:
+    """batch_isend_irecv, pipeline schedules: each rank of the pair sends, then receives."""
+    to_1, to_0 = call("send", (0, 1), bytes_in=MiB, peer=1), call("send", (0, 1), bytes_in=MiB, peer=0)
+    from_1, from_0 = call("recv", (0, 1), bytes_out=MiB, peer=1), call("recv", (0, 1), bytes_out=MiB, peer=0)
+    schedule = cost.critical_path([[to_1, from_1], [to_0, from_0]], "pcie")
+    one = cost.estimate(to_1, "pcie", rank=0).seconds
+    for rank in (0, 1):
+        send, recv = schedule.of(rank)
+        assert (send.start, send.end) == (0.0, one)  # posted as its rank reaches it
+        assert recv.start == one and recv.end == 2 * one  # after its own send; its partner's began at 0
+    with pytest.raises(ValueError, match="do not line up"):  # a send whose recv never comes still fails
+        cost.critical_path([[to_1, from_1], [to_0]], "pcie")
+
+
 def test_ledgers_that_do_not_line_up_name_the_ranks() -> None:
     mine = sized("all_reduce", 8, (0, 1))
     other = call("all_gather", (0, 1), bytes_in=4, bytes_out=8, seq=3)
