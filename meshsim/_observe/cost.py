@@ -432,26 +432,19 @@ def critical_path(
         TypeError: a ledger holds something other than :class:`~meshsim.Collective` records.
     """
     calls = _per_rank(ledgers)
-    topo = resolve(topology)
-    keys = {r: _keys(r, entries) for r, entries in calls.items()}
-    clock = dict.fromkeys(calls, 0.0)
-    done = dict.fromkeys(calls, 0)
-    spans: dict[int, list[Span]] = {r: [] for r in calls}
-    posted: dict[_Key, float] = {}  # sends placed ahead of their recv (a batch): when they started
+    clock = _Clock(calls, {r: _keys(r, entries) for r, entries in calls.items()}, resolve(topology), model)
     progressed = True
     while progressed:
         progressed = False
         for rank in calls:
-            while done[rank] < len(calls[rank]) and (
-                _ready(rank, keys, done) or keys[rank][done[rank]][0] in posted
-            ):
-                _place(rank, calls, keys, done, clock, spans, topo, model, posted)
+            while clock.can_place(rank):
+                clock.place(rank)
                 progressed = True
         if not progressed:  # stuck: a batch of sends and receives completes together
-            progressed = _post_sends(calls, keys, done, clock, spans, topo, model, posted)
-    _check_finished(calls, keys, done)
+            progressed = clock.post_sends()
+    _check_finished(calls, clock.keys, clock.done)
     ranks = tuple(sorted(calls))
-    return Schedule(ranks, tuple(tuple(spans[r]) for r in ranks))
+    return Schedule(ranks, tuple(tuple(clock.spans[r]) for r in ranks))
 
 
 _Key = tuple[Hashable, ...]
@@ -503,63 +496,68 @@ def _ready(rank: int, keys: _Keys, done: dict[int, int]) -> bool:
     return True
 
 
-def _place(
-    rank: int,
-    calls: dict[int, list[Collective]],
-    keys: _Keys,
-    done: dict[int, int],
-    clock: dict[int, float],
-    spans: dict[int, list[Span]],
-    topo: Topology,
-    model: CostModel | None,
-    posted: dict[_Key, float],
-) -> None:
-    """Start the call at the head of ``rank``'s ledger for every rank in it, and end it.
+class _Clock:
+    """Every rank's ledger being laid out on one clock: how far each rank is, and when it is free."""
 
-    A recv whose send was posted ahead (``posted``) is placed for its own rank alone.
-    """
-    key, members = keys[rank][done[rank]]
-    sent = posted.pop(key, None)
-    if sent is not None:
-        members = (rank,)
-    start = max([clock[m] for m in members] + ([sent] if sent is not None else []))
-    own = {m: estimate(calls[m][done[m]], topo, rank=m, model=model) for m in members}
-    end = start + max(e.seconds for e in own.values())
-    for m in members:
-        spans[m].append(Span(m, calls[m][done[m]], start, end, own[m]))
-        clock[m] = end
-        done[m] += 1
+    def __init__(
+        self,
+        calls: dict[int, list[Collective]],
+        keys: _Keys,
+        topo: Topology,
+        model: CostModel | None,
+    ) -> None:
+        self.calls, self.keys, self.topo, self.model = calls, keys, topo, model
+        self.time = dict.fromkeys(calls, 0.0)  # when each rank is free
+        self.done = dict.fromkeys(calls, 0)  # how many of each rank's calls are placed
+        self.spans: dict[int, list[Span]] = {r: [] for r in calls}
+        self.posted: dict[_Key, float] = {}  # sends placed ahead of their recv (a batch): their starts
 
+    def can_place(self, rank: int) -> bool:
+        """Whether the call at the head of ``rank``'s ledger can start now."""
+        if self.done[rank] >= len(self.calls[rank]):
+            return False
+        return _ready(rank, self.keys, self.done) or self.keys[rank][self.done[rank]][0] in self.posted
 
-def _post_sends(
-    calls: dict[int, list[Collective]],
-    keys: _Keys,
-    done: dict[int, int],
-    clock: dict[int, float],
-    spans: dict[int, list[Span]],
-    topo: Topology,
-    model: CostModel | None,
-    posted: dict[_Key, float],
-) -> bool:
-    """Place every stuck send whose recv its peer makes later, each on its own rank; False if none."""
-    stuck = []
-    for rank in calls:
-        if done[rank] >= len(calls[rank]):
-            continue
-        call = calls[rank][done[rank]]
-        key = keys[rank][done[rank]][0]
-        if call.op != "send" or call.peer is None or call.peer not in keys:
-            continue
-        if any(later == key for later, _ in keys[call.peer][done[call.peer] :]):
-            stuck.append((rank, call, key))  # else its recv never comes: reported as not lining up
-    for rank, call, key in stuck:
-        start = clock[rank]
-        own = estimate(call, topo, rank=rank, model=model)
-        spans[rank].append(Span(rank, call, start, start + own.seconds, own))
-        clock[rank] = start + own.seconds
-        done[rank] += 1
-        posted[key] = start
-    return bool(stuck)
+    def place(self, rank: int) -> None:
+        """Start the call at the head of ``rank``'s ledger for every rank in it, and end it.
+
+        A recv whose send was posted ahead is placed for its own rank alone.
+        """
+        key, members = self.keys[rank][self.done[rank]]
+        sent = self.posted.pop(key, None)
+        if sent is not None:
+            members = (rank,)
+        start = max([self.time[m] for m in members] + ([sent] if sent is not None else []))
+        own = {m: self._estimate(m) for m in members}
+        end = start + max(e.seconds for e in own.values())
+        for m in members:
+            self._add(m, start, end, own[m])
+
+    def post_sends(self) -> bool:
+        """Place every stuck send whose recv its peer makes later, each on its own rank; False if none."""
+        stuck = []
+        for rank, calls in self.calls.items():
+            done = self.done[rank]
+            if done >= len(calls):
+                continue
+            call, key = calls[done], self.keys[rank][done][0]
+            if call.op != "send" or call.peer is None or call.peer not in self.keys:
+                continue
+            if any(later == key for later, _ in self.keys[call.peer][self.done[call.peer] :]):
+                stuck.append((rank, key))  # else its recv never comes: reported as not lining up
+        for rank, key in stuck:
+            own = self._estimate(rank)
+            self.posted[key] = start = self.time[rank]
+            self._add(rank, start, start + own.seconds, own)
+        return bool(stuck)
+
+    def _estimate(self, rank: int) -> Estimate:
+        return estimate(self.calls[rank][self.done[rank]], self.topo, rank=rank, model=self.model)
+
+    def _add(self, rank: int, start: float, end: float, own: Estimate) -> None:
+        self.spans[rank].append(Span(rank, self.calls[rank][self.done[rank]], start, end, own))
+        self.time[rank] = end
+        self.done[rank] += 1
 
 
 def _check_finished(
