@@ -14,7 +14,8 @@ Private torch names patched here, checked in torch 2.11, 2.12, 2.13, 2.14 and 2.
 thread, and ``_propagate_tensor_meta_cached``), the tables of
 ``dist.Backend`` (``backend_capability``, ``backend_type_map``,
 ``default_device_backend_map``, ``_plugins``, ``backend_list``) and
-``torch._C._set_multithreading_enabled``; called: ``torch._C._ensureCUDADeviceGuardSet``.
+``torch._C._set_multithreading_enabled``, ``distributed_c10d._new_process_group_helper``;
+called: ``torch._C._ensureCUDADeviceGuardSet``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class _Patches:
             undo.append(_adopting_init_process_group())
             undo.append(_dtensor_gpu_paths())
             undo.append(_registered_backend(backend_name, creator))
+            undo.append(_subgroups_served_by(backend_name))
             undo.append(_rng.install())
             undo.append(_integrations.install())
             undo.append(_unraisable_hook_installed())
@@ -342,12 +344,12 @@ def _adopt(arguments: dict[str, Any]) -> bool:
     return True
 
 
-def _check_nccl(backend: Any, rank: int) -> None:
+def _check_nccl(backend: Any, rank: int, call: str = "init_process_group") -> None:
     """NCCL needs CUDA: without a GPU or the emulation, fail as a CPU-only process would, and say why."""
     if backend is None or "nccl" not in str(backend).lower() or torch.cuda.is_available():
         return
     raise RuntimeError(
-        f"init_process_group(backend={backend!r}) in rank {rank}: NCCL needs CUDA, and this process has "
+        f"{call}(backend={backend!r}) in rank {rank}: NCCL needs CUDA, and this process has "
         "no GPU (torch.cuda.is_available() is False), so a real process would fail here too. To run code "
         "written for GPUs on simulated ranks, emulate CUDA on the CPU: pytest --mesh-cuda=cpu, "
         "meshsim run --cuda cpu, meshsim.run(..., cuda='cpu') or MESHSIM_CUDA=cpu."
@@ -356,6 +358,52 @@ def _check_nccl(backend: Any, rank: int) -> None:
 
 class _NotLocalTensorMode:
     """Returned to DTensor's CPU check so that it takes the all_to_all path."""
+
+
+def _subgroups_served_by(backend_name: str) -> Undo:
+    """Groups a rank of a simulated world makes for another backend are served by meshsim's.
+
+    ``new_group(ranks, backend="gloo")`` (or ``"nccl"``, ``"cpu:gloo,cuda:nccl"``;
+    ``new_subgroups`` and ``DeviceMesh``'s ``backend_override`` come the same way) would
+    build a real ``ProcessGroupGloo`` whose rendezvous cannot finish while ranks run one at
+    a time: it would wait out its timeout. In a world whose default group is meshsim's,
+    the group is meshsim's too, recorded in the ledger as every other, and
+    ``dist.get_backend(group)`` answers the name the program asked for. NCCL without CUDA
+    (real or emulated) fails as in a real process. gloo thread ranks, whose default group
+    is gloo, keep torch's groups.
+
+    All of them are made by ``distributed_c10d._new_process_group_helper`` (private; its
+    ``backend`` and ``backend_options`` parameters and its ``(group, store)`` result are
+    the same in torch 2.11-2.15).
+    """
+    original = c10d._new_process_group_helper
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def helper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        asked = bound.arguments.get("backend")
+        world = c10d._world
+        default = world.pg_map.get(world.default_pg) if world.default_pg is not None else None
+        here = current()
+        if asked is None or default is None or default[0] != backend_name or here.seat is None:
+            return original(*args, **kwargs)
+        name = str(dist.Backend(str(asked)))
+        if name == backend_name:
+            return original(*args, **kwargs)
+        _check_nccl(name, here.seat.rank, "new_group")
+        bound.arguments["backend"] = backend_name
+        bound.arguments["backend_options"] = None  # gloo's and NCCL's options mean nothing to meshsim's
+        pg, store = original(*bound.args, **bound.kwargs)
+        world.pg_map[pg] = (name, store)
+        return pg, store
+
+    c10d._new_process_group_helper = helper
+
+    def undo() -> None:
+        c10d._new_process_group_helper = original
+
+    return undo
 
 
 def _dtensor_gpu_paths() -> Undo:

@@ -184,7 +184,8 @@ def _groups_on_the_storage() -> list[Callable[[], None]]:
 
     ``init_process_group("nccl")`` and ``new_group(backend="nccl")`` make gloo groups, and
     a CUDA ``device_id`` (torch binds a group to it) is dropped: the emulated tensors
-    are CPU tensors. Inside a world's ranks meshsim's own adoption answers first.
+    are CPU tensors. Inside a simulated world's ranks meshsim's own adoption answers first,
+    and meshsim's backend serves groups of any name (``patches._subgroups_served_by``).
     """
     import inspect
 
@@ -199,7 +200,7 @@ def _groups_on_the_storage() -> list[Callable[[], None]]:
         def call(*args: Any, _original: Any = original, _signature: Any = signature, **kwargs: Any) -> Any:
             bound = _signature.bind_partial(*args, **kwargs)
             backend = bound.arguments.get("backend")
-            if backend is not None and "nccl" in str(backend).lower():
+            if backend is not None and "nccl" in str(backend).lower() and not _simulated_rank():
                 bound.arguments["backend"] = "gloo"
             device_id = bound.arguments.get("device_id")
             if isinstance(device_id, (torch.device, int)) and tensors.cuda_device(device_id) is not None:
@@ -210,6 +211,15 @@ def _groups_on_the_storage() -> list[Callable[[], None]]:
         undo.append(_set_attr(c10d, name, call))
         undo.append(_set_attr(dist, name, call))
     return undo
+
+
+def _simulated_rank() -> bool:
+    """A rank of a simulated world: meshsim's backend serves its groups of any backend name."""
+    import torch.distributed as dist
+
+    if current().seat is None or not dist.is_initialized():
+        return False
+    return str(dist.get_backend()) not in ("gloo", "nccl")  # gloo thread ranks: torch's groups
 
 
 # -- per thread ---------------------------------------------------------------------------------
