@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 import unittest
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -141,6 +142,23 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+def _thread_locals(cls: type) -> tuple[tuple[threading.local, dict[str, Any]], ...]:
+    """Every ``threading.local`` the test class and its bases hold, with the caller thread's values.
+
+    torch's test machinery keeps per-test state in class-level thread-locals, filled in the
+    thread that defined or set up the class: ``DeviceTypeTestBase._tls`` holds ``precision``
+    and ``rel_tol``, which every test that ``instantiate_device_type_tests`` made reads first
+    (torch 2.11-2.15). torch's threaded bases give each rank thread those values; so do
+    these, for every thread-local found, not a list of attributes.
+    """
+    found: dict[int, tuple[threading.local, dict[str, Any]]] = {}
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            if isinstance(value, threading.local) and id(value) not in found:
+                found[id(value)] = (value, dict(value.__dict__))
+    return tuple(found.values())
+
+
 def _run_rank(instances: Sequence[_SimTestCase], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The world's per-rank program: this rank's instance runs the test method."""
     instances[dist.get_rank()]._run_as_rank(args, kwargs)
@@ -152,6 +170,8 @@ class _SimTestCase(_TorchTestCase):  # type: ignore[misc]
     rank: int = _MAIN_RANK
     _meshsim_log: _RankLog | None = None  # set on a rank's instance only
     _meshsim_test: Callable[..., Any] | None = None  # the original test method, bound
+    # the test class's thread-locals and the caller's values of them (see _thread_locals)
+    _meshsim_locals: tuple[tuple[threading.local, dict[str, Any]], ...] = ()
 
     def __init__(self, method_name: str = "runTest", methodName: str = "runTest") -> None:
         # torch's bases take both spellings (testslide passes methodName by keyword)
@@ -185,7 +205,8 @@ class _SimTestCase(_TorchTestCase):  # type: ignore[misc]
         world_size = self.world_size
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"{type(self).__name__}.world_size must be a positive int, got {world_size!r}")
-        instances = [self._instance_for_rank(rank) for rank in range(world_size)]
+        thread_locals = _thread_locals(type(self))
+        instances = [self._instance_for_rank(rank, thread_locals) for rank in range(world_size)]
         failure: RankError | None = None
         try:
             # gpu_paths=False: torch's own collectives for the mesh's device (all_gather+chunk
@@ -205,10 +226,13 @@ class _SimTestCase(_TorchTestCase):  # type: ignore[misc]
             # raised outside the except block: the rank's exception is not "during" the RankError
             raise _surfaced(failure)
 
-    def _instance_for_rank(self, rank: int) -> _SimTestCase:
+    def _instance_for_rank(
+        self, rank: int, thread_locals: tuple[tuple[threading.local, dict[str, Any]], ...]
+    ) -> _SimTestCase:
         instance = type(self)(self._testMethodName)
         for name, value in vars(self).items():  # what setUp gave the caller's instance
             instance.__dict__.setdefault(name, value)
+        instance._meshsim_locals = thread_locals
         instance.rank = rank
         instance._meshsim_log = _RankLog(rank)
         return instance
@@ -233,6 +257,9 @@ class _SimTestCase(_TorchTestCase):  # type: ignore[misc]
 
     def _run_as_rank(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         assert self._meshsim_test is not None
+        for local, values in self._meshsim_locals:  # as the caller's thread sees them
+            local.__dict__.clear()  # a pooled rank thread: nothing left from an earlier test
+            local.__dict__.update(values)
         self._set_up_rank()
         try:
             self._meshsim_test(*args, **kwargs)
