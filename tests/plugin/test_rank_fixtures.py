@@ -218,3 +218,64 @@ def test_what_a_rank_monkeypatches_is_its_own(
         result.assert_outcomes(passed=2, skipped=1)
     else:
         result.assert_outcomes(passed=3)
+
+
+def test_an_autouse_skip_whose_dependency_a_sub_conftest_overrides_per_rank_skips_every_rank(
+    pytester: pytest.Pytester,
+) -> None:
+    """PhysicsNeMo's shape: an autouse fixture asks for ``device``, which a deeper conftest
+    overrides with a fixture built from a per-rank one; its skip applies on every rank, as
+    under torchrun, whether the test asks for ``device`` itself or not."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture
+        def device():
+            return "cuda"
+        """
+    )
+    pytester.makepyfile(
+        **{
+            "parallel/conftest.py": """
+                import pytest, torch.distributed as dist
+                from torch.distributed.device_mesh import init_device_mesh
+
+                @pytest.fixture(autouse=True)
+                def skip_on_cpu(device):
+                    if device == "cpu":
+                        pytest.skip("Skip tests on cpu")
+
+                @pytest.fixture(scope="session")
+                def user_mesh():
+                    return init_device_mesh("cpu", (dist.get_world_size(),))
+            """,
+            "parallel/mesh/conftest.py": """
+                import pytest
+
+                @pytest.fixture
+                def device(user_mesh, rank):
+                    return user_mesh.device_type
+            """,
+            "parallel/mesh/test_on_ranks.py": """
+                import pytest
+
+                @pytest.mark.multigpu_static
+                def test_asks_for_device(device):
+                    assert False, "not skipped"
+
+                @pytest.mark.multigpu_static
+                def test_does_not(rank):
+                    assert False, "not skipped"
+
+                @pytest.mark.world(2)
+                def test_world_marked(device):
+                    assert False, "not skipped"
+            """,
+        }
+    )
+    result = pytester.runpytest_subprocess("--multigpu-static", "-rs")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["SKIPPED [[]3[]] parallel/conftest.py:*: Skip tests on cpu"])
+    result = pytester.runpytest_subprocess("-rs", "-k", "world_marked")  # not the static suite
+    result.assert_outcomes(skipped=1)
