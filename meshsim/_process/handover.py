@@ -30,6 +30,8 @@ of this.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -60,7 +62,7 @@ class _Slot:
         self,
         owner: Any,
         name: str | None,
-        fresh: Callable[[], Any] | None,
+        fresh: Callable[..., Any] | None,
         duplicate: Callable[[Any], Any] | None = None,
         after_set: Callable[[], None] | None = None,
         share: Share = None,
@@ -96,10 +98,10 @@ class _Slot:
         if self.after_set is not None:
             self.after_set()
 
-    def start(self, caller: Any) -> Any:
-        """A rank's starting value: ``fresh()``, or a copy of the caller's (as after a fork)."""
+    def start(self, caller: Any, rank: int = 0) -> Any:
+        """A rank's starting value: ``fresh()`` (or ``fresh(rank)``), or a copy of the caller's (a fork's)."""
         if self.fresh is not None:
-            return self.fresh()
+            return self.fresh(rank) if _takes_rank(self.fresh) else self.fresh()
         return self.copy(caller)
 
     def starts(self, caller: Any, world_size: int) -> list[Any]:
@@ -109,16 +111,16 @@ class _Slot:
             return [shared] * world_size
         if self.fresh is None and self.duplicate is copy_container and not isinstance(caller, _CONTAINERS):
             return [caller] * world_size  # what copy_container gives back as it is: no call per rank
-        return [self.start(caller) for _ in range(world_size)]
+        return [self.start(caller, rank) for rank in range(world_size)]
 
     def moved(self, before: Any, now: Any) -> bool:
         """Whether the caller's value changed between a session's calls (ranks then take it)."""
         return now is not before
 
-    def joined_late(self) -> Any:
-        """The starting value of a rank (or the caller) when the slot joins a running world."""
+    def joined_late(self, rank: int = 0) -> Any:
+        """The starting value of a rank (or the caller: rank 0's) when the slot joins a running world."""
         if self.fresh is not None:
-            return self.fresh()
+            return self.fresh(rank) if _takes_rank(self.fresh) else self.fresh()
         return self.copy(self.pristine)
 
     def copy(self, value: Any) -> Any:
@@ -183,8 +185,8 @@ class _Accessor(_Slot):
         if value is not _ABSENT:
             self.setter(value)
 
-    def start(self, caller: Any) -> Any:
-        return self._start(caller, 0)
+    def start(self, caller: Any, rank: int = 0) -> Any:
+        return self._start(caller, rank)
 
     def starts(self, caller: Any, world_size: int) -> list[Any]:
         return [self._start(caller, rank) for rank in range(world_size)]
@@ -192,8 +194,23 @@ class _Accessor(_Slot):
     def moved(self, before: Any, now: Any) -> bool:
         return now is not _ABSENT and self._moved(before, now)
 
-    def joined_late(self) -> Any:
+    def joined_late(self, rank: int = 0) -> Any:
         return self.get()
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_rank(fresh: Callable[..., Any]) -> bool:
+    """Whether ``fresh`` takes the rank: one positional parameter without a default.
+
+    ``dict``, ``list`` and other builtins without a signature take none.
+    """
+    try:
+        parameters = inspect.signature(fresh).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    return len(required) == 1
 
 
 def _same(value: Any) -> Any:
@@ -280,7 +297,7 @@ class PerRankState:
         return f"<per_rank {', '.join(self.names)} ({state})>"
 
 
-def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None) -> PerRankState:
+def per_rank(target: object, *names: str, fresh: Callable[..., Any] | None = None) -> PerRankState:
     """Declare process-wide values that each simulated rank owns, as a real rank's process would.
 
     In a serialized world (the ``sim`` backend, the default) each rank has its own
@@ -298,9 +315,11 @@ def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None
 
     Keyword args:
         fresh: builds each rank's starting value (``dict`` for a Borg's shared dict:
-            every rank starts as a newly started process would). By default each rank
-            starts from a deep copy of the caller's value when the world starts, as a
-            forked process would.
+            every rank starts as a newly started process would); a callable that takes
+            one argument is given the rank (``fresh=lambda rank: ...``), to build what a
+            process of that rank computes at import (its ``LOCAL_RANK``, its device). By
+            default each rank starts from a deep copy of the caller's value when the world
+            starts, as a forked process would.
 
     Returns:
         a handle whose ``remove()`` (or the end of a ``with`` block) undoes the declaration.
@@ -313,7 +332,10 @@ def per_rank(target: object, *names: str, fresh: Callable[[], Any] | None = None
     if target is None:
         raise TypeError("per_rank() needs a class, module or object whose state is per rank, got None")
     if fresh is not None and not callable(fresh):
-        raise TypeError(f"fresh must be a callable that builds a rank's starting value, got {fresh!r}")
+        raise TypeError(
+            f"fresh must be a callable that builds a rank's starting value (given the rank if it "
+            f"takes one argument), got {fresh!r}"
+        )
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"per_rank() attribute names must be strings, got {name!r}")
@@ -665,8 +687,8 @@ class WorldSlots:
         kept = [known[id(s)] for s in current if id(s) in known]
         self.slots = [self.slots[i] for i in kept] + added
         self.caller = [self.caller[i] for i in kept] + [s.joined_late() for s in added]
-        for values in self.ranks:
-            fills = [s.get() if values is saving else s.joined_late() for s in added]
+        for rank, values in enumerate(self.ranks):
+            fills = [s.get() if values is saving else s.joined_late(rank) for s in added]
             values[:] = [values[i] for i in kept] + fills
         self._order()
         self._shared = [None] * len(self._plan.runs)  # mid-world: every run swaps from now on

@@ -386,3 +386,19 @@ def test_physicsnemo_manager_imported_before_the_world_is_per_rank(fake_physicsn
     DistributedManager._shared_state["caller"] = True
     assert meshsim.run(_physicsnemo_body, 2) == [(0, 2), (1, 2)]
     assert DistributedManager._shared_state == {"caller": True}
+
+
+def test_fresh_is_given_the_rank_when_it_takes_one() -> None:
+    """What a process of each rank computes at import (its LOCAL_RANK, its device), built per rank."""
+
+    class Helper:
+        rank = 0  # computed once, when the pytest process imported it
+
+    def body() -> tuple[int, int]:
+        return Helper.rank, int(__import__("os").environ["LOCAL_RANK"])
+
+    with meshsim.per_rank(Helper, "rank", fresh=lambda rank: rank):
+        assert meshsim.run(body, 3) == [(0, 0), (1, 1), (2, 2)]
+    assert Helper.rank == 0  # the caller's value is back
+    with meshsim.per_rank(Helper, "rank", fresh=int):  # a builtin without a signature: called bare
+        assert [r for r, _ in meshsim.run(body, 2)] == [0, 0]
