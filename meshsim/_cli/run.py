@@ -278,6 +278,9 @@ def run_command(args: argparse.Namespace) -> int:
                 cuda=args.cuda,
                 nnodes=nnodes,
             )
+    except (TypeError, ValueError) as error:  # the world's own check of an option (--cuda): before any rank
+        print(f"meshsim run: error: {error}", file=sys.stderr)
+        return 2
     except meshsim.MeshError as error:
         sys.stdout.flush()
         print(f"meshsim run: {target.name} failed on simulated ranks:\n{error}", file=sys.stderr)

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from meshsim._base.context import current
 from meshsim._process.handover import declare_accessor
+from meshsim._process.state import rank_environment
 from meshsim._record.ledger import Ledger, record
 from meshsim._record.regions import collecting_regions
 
@@ -187,13 +188,7 @@ class _RankEnviron(MutableMapping[str, str]):
         seat = current().seat
         if seat is None:
             return {}
-        rank = seat.rank
-        return {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank % self.local),
-            "GROUP_RANK": str(rank // self.local),
-            "ROLE_RANK": str(rank),
-        }
+        return dict(rank_environment(seat.rank, self.local))  # what a serialized world sets
 
     def __getitem__(self, key: str) -> str:
         own = self._own()

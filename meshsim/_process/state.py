@@ -25,7 +25,7 @@ from torch.autograd import forward_ad
 from meshsim._process import rng as _rng
 from meshsim._process.handover import WorldSlots, declare_accessor
 
-__all__ = ["ProcessState", "set_world_environment"]
+__all__ = ["ProcessState", "rank_environment", "set_world_environment"]
 
 
 def _set_dtype(dtype: torch.dtype) -> None:
@@ -52,7 +52,7 @@ def _declare_rank_state() -> None:
         "RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK",
         get=None,
         set=_set_environ,
-        start=lambda _, rank: _rank_env(rank, _local_world_size()),
+        start=lambda _, rank: rank_environment(rank, _local_world_size()),
     )
 
 
@@ -175,7 +175,7 @@ def apply_environ_changes(changes: dict[str, str | None]) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_env(rank: int, local_world_size: int) -> tuple[tuple[str, str], ...]:
+def rank_environment(rank: int, local_world_size: int) -> tuple[tuple[str, str], ...]:
     """A rank's own variables, as torchrun sets them: RANK, LOCAL_RANK, GROUP_RANK (its node), ROLE_RANK."""
     local, node = rank % local_world_size, rank // local_world_size
     return (
@@ -273,6 +273,6 @@ def _restore_environ(saved: dict[Any, Any]) -> None:
 
 
 # What a rank's own environment holds (set at hand-overs and at the world's start).
-_RANK_KEYS = [key for pairs in (_rank_env(0, 1), _world_env(1), _MASTER_ENV) for key, _ in pairs]
+_RANK_KEYS = [key for pairs in (rank_environment(0, 1), _world_env(1), _MASTER_ENV) for key, _ in pairs]
 
 _declare_rank_state()

@@ -32,7 +32,6 @@ __all__ = [
     "call_site",
     "call_where",
     "library_code",
-    "library_folders",
     "made_by_torch",
     "site_of",
     "user_frame",
@@ -134,7 +133,7 @@ def call_where(depth: int = 1) -> tuple[str, str | None]:
 # DDP's and FSDP's parameter sync and gradient reductions, tensor parallelism's parameter
 # distribution, pipeline schedules, checkpointing, ZeRO (paths below torch/; torch 2.11-2.15).
 _BY_DESIGN = tuple(
-    os.path.join(*part.split("/"))
+    part.replace("/", os.sep)
     for part in (
         "nn/parallel/",
         "distributed/fsdp/",
@@ -188,11 +187,6 @@ def made_by_torch(frame: FrameType | None) -> str | None:
     return made
 
 
-def library_folders() -> list[str]:
-    """The folders whose frames count as library code now (shardtensor's first)."""
-    return list(_libraries)
-
-
 def _folder_of(name: str) -> str:
     """A folder path as given, or an importable module's folder (a package) or file."""
     if os.sep in name or os.path.isdir(name):
@@ -235,8 +229,7 @@ def library_code(*names: str) -> Iterator[list[str]]:
     folders = [_folder_of(name) for name in names]
     added = [f for f in folders if f not in _libraries]
     _libraries.extend(added)
-    _library.clear()
-    _texts.clear()
+    _library.clear()  # per file answers; the texts stay right (they name lines, not kinds)
     # the hand-off to processes started meanwhile (spawned ranks, torchrun's): they read it at import
     before = os.environ.get(ENVIRONMENT)
     os.environ[ENVIRONMENT] = os.pathsep.join(_libraries[1:])
@@ -246,7 +239,6 @@ def library_code(*names: str) -> Iterator[list[str]]:
         for folder in added:
             _libraries.remove(folder)
         _library.clear()
-        _texts.clear()
         if before is None:
             os.environ.pop(ENVIRONMENT, None)
         else:

@@ -231,8 +231,21 @@ def test_a_skipped_collective_names_the_rank_and_the_line(
         (["--nnodes", "1:2", "x.py"], "--nnodes '1:2': elastic ranges are not supported"),
         (["--local-ranks-filter", "5", "x.py"], "--local-ranks-filter: ranks [5] are not in a world of 1"),
         (["--backend", "gloo", "--trace", "t.json", "x.py"], "--trace draws simulated ranks"),
+        (["--cuda", "foo", "x.py"], "cuda must be 'cpu' (CUDA emulated on the CPU), 'cuda:N'"),
     ],
-    ids=["zero", "abc", "script", "module", "topology", "rdzv", "node-rank", "elastic", "filter", "trace"],
+    ids=[
+        "zero",
+        "abc",
+        "script",
+        "module",
+        "topology",
+        "rdzv",
+        "node-rank",
+        "elastic",
+        "filter",
+        "trace",
+        "cuda",
+    ],
 )
 def test_bad_input_is_refused_before_any_rank_starts(
     args: list[str],
