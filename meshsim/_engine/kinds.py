@@ -19,17 +19,19 @@ import datetime
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from meshsim._base.context import Seat, current
+from meshsim._base.errors import MeshError
 from meshsim._baton.scheduler import Scheduler
 from meshsim._process import patches as _patches
 from meshsim._process import thread_worlds as _thread_worlds
 from meshsim._process.loopback import loopback_environment
 from meshsim._record.recorder import DispatchRecorder
+from meshsim._record.standing import standing_of, verdict, verdict_error
 from meshsim._sim.backend import BACKEND_NAME, default_process_group
 from meshsim._sim.store import SimStore
 
@@ -69,6 +71,16 @@ class Ranks:
     def let_go(self, exc: BaseException) -> None:
         """Drop what a failed or stopped rank's exception holds that keeps its groups open."""
 
+    def verdict(self, endings: Mapping[int, BaseException | None], world_size: int) -> MeshError | str | None:
+        """What a rank's failure means, from every rank's standing (real ranks only).
+
+        Returns:
+            the error that names the rank the others wait for (a peer that finished, went
+            elsewhere or entered a different collective); or the per-rank table, as a note
+            for the failing rank's own error; or None (nothing to add: sim checks calls itself).
+        """
+        return None
+
 
 class SimRanks(Ranks):
     """Simulated ranks on the in-memory backend."""
@@ -97,7 +109,8 @@ class GlooRanks(Ranks):
     serialize = False
 
     def __init__(self) -> None:
-        self._recorders: list[DispatchRecorder] = []  # when each rank last entered a collective
+        # each rank's recorder: when it last entered a collective, the call it is in
+        self._recorders: dict[int, DispatchRecorder] = {}
 
     def prepare(self) -> None:
         # Every gloo group the ranks make, the user's own included, listens on loopback;
@@ -131,7 +144,9 @@ class GlooRanks(Ranks):
 
     def run(self, rank_run: Callable[[], str]) -> str:
         recorder = DispatchRecorder()
-        self._recorders.append(recorder)
+        seat = current().seat
+        assert seat is not None  # a rank thread runs its part with its seat taken
+        self._recorders[seat.rank] = recorder
         with recorder:
             return rank_run()
 
@@ -139,11 +154,23 @@ class GlooRanks(Ranks):
         # Ranks blocked in C++ cannot be interrupted, but the groups' timeout (the world's)
         # releases each collective that long after it began; one may begin after the stop
         # did (a rank finishing a slow first import).
-        began: float = max([start, *(recorder.entered for recorder in self._recorders)])
+        began: float = max([start, *(recorder.entered for recorder in list(self._recorders.values()))])
         return min(began, start + timeout) + timeout + _STOP_GRACE
 
     def let_go(self, exc: BaseException) -> None:
         _drop_frame_locals(exc)
+
+    def verdict(self, endings: Mapping[int, BaseException | None], world_size: int) -> MeshError | str | None:
+        standings = [
+            standing_of(rank, self._recorders.get(rank), ended=rank in endings, error=endings.get(rank))
+            for rank in range(world_size)
+        ]
+        found = verdict(standings, world_size)
+        if found is None:
+            return None
+        if found.kind == "failed":
+            return found.message
+        return verdict_error(found, "gloo")
 
 
 def _seat_rank() -> int | None:

@@ -341,6 +341,10 @@ class World:
         self.redundant = redundant
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
+        # how each rank's part of the current call ended (None: returned), for the report
+        # of a gloo world whose ranks disagree (kinds.GlooRanks.verdict)
+        self.endings: dict[int, BaseException | None] = {}
+        self._where_ranks_stood: str | None = None  # the first failure's note: every rank's state
         self.stuck: list[int] = []
         self.started = self.closed = False
         # set by start()
@@ -650,6 +654,7 @@ class World:
                 post.call = entry
             self._calls += len(entries)
         self.results = [None] * self.world_size
+        self.endings = {}
         self._idle.clear()
         for post in posts:
             self.scheduler.resume(post, reload=reload)
@@ -727,6 +732,8 @@ class World:
         rank, exc, text = self.failures[0]
         error = RankError(rank, self.world_size, text, own)
         error.__cause__ = exc
+        if self._where_ranks_stood is not None:
+            error.add_note(self._where_ranks_stood)
         return error
 
     # -- the ranks' side --------------------------------------------------------------
@@ -811,10 +818,12 @@ class World:
             if call.reseed:
                 _rng.enter_rank()  # draw afresh from the caller's newly seeded generators
             self.results[rank] = call.fn(*call.args, **call.kwargs)
+            self.endings[rank] = None  # before the rank's groups close: a peer's report may ask
             outcome = "finished: its function returned"
         except WorldAborted:
             raise
         except BaseException as exc:
+            self.endings[rank] = exc
             for failed in instruments.failed:
                 failed(rank, exc)
             self._rank_failed(rank, exc)
@@ -836,6 +845,12 @@ class World:
             return
         if self.scheduler.error is not None:
             return  # a consequence of the failure that stopped the world (gloo peers see closed sockets)
+        found = self.kind.verdict(self.endings, self.world_size)
+        if found is not None and not isinstance(found, str):
+            # a gloo rank whose collective failed because a peer finished, failed or went elsewhere
+            self.scheduler.abort(found)
+            return
+        self._where_ranks_stood = found
         text = format_user_traceback(exc)
         self.failures.append((rank, exc, text))
         self.scheduler.abort(RankError(rank, self.world_size, text))
