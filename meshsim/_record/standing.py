@@ -158,9 +158,10 @@ def verdict(standings: Sequence[Standing], world_size: int) -> Verdict | None:
             states[s.rank] = _describe(s)
     if not culprits:
         behind = _behind(standings, states)
-        if behind is None:
+        silent = {s.rank for s in standings if s.state == SILENT}
+        if behind is None and not silent:
             return None
-        culprits = behind
+        culprits = (behind or set()) | silent
     ordered = tuple(sorted(culprits))
     by_rank = {s.rank: s for s in standings}
     failed = [r for r in ordered if by_rank[r].state == FAILED]
