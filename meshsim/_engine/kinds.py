@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable, Mapping
 
@@ -111,6 +112,7 @@ class GlooRanks(Ranks):
     def __init__(self) -> None:
         # each rank's recorder: when it last entered a collective, the call it is in
         self._recorders: dict[int, DispatchRecorder] = {}
+        self._idents: dict[int, int] = {}  # each rank's thread, to see whether it is blocked in c10d
 
     def prepare(self) -> None:
         # Every gloo group the ranks make, the user's own included, listens on loopback;
@@ -147,6 +149,7 @@ class GlooRanks(Ranks):
         seat = current().seat
         assert seat is not None  # a rank thread runs its part with its seat taken
         self._recorders[seat.rank] = recorder
+        self._idents[seat.rank] = threading.get_ident()
         with recorder:
             return rank_run()
 
@@ -161,8 +164,15 @@ class GlooRanks(Ranks):
         _drop_frame_locals(exc)
 
     def verdict(self, endings: Mapping[int, BaseException | None], world_size: int) -> MeshError | str | None:
+        blocked = _blocked_in_c10d(self._idents)
         standings = [
-            standing_of(rank, self._recorders.get(rank), ended=rank in endings, error=endings.get(rank))
+            standing_of(
+                rank,
+                self._recorders.get(rank),
+                ended=rank in endings,
+                error=endings.get(rank),
+                blocked=rank in blocked,
+            )
             for rank in range(world_size)
         ]
         found = verdict(standings, world_size)
@@ -171,6 +181,26 @@ class GlooRanks(Ranks):
         if found.kind == "failed":
             return found.message
         return verdict_error(found, "gloo")
+
+
+_C10D_DIR = os.path.dirname(dist.__file__) + os.sep
+
+
+def _blocked_in_c10d(idents: Mapping[int, int]) -> set[int]:
+    """The ranks whose thread is inside torch.distributed's Python code (waiting on a Work)."""
+    frames = sys._current_frames()
+    try:
+        blocked = set()
+        for rank, ident in list(idents.items()):
+            frame = frames.get(ident)
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(_C10D_DIR):
+                    blocked.add(rank)
+                    break
+                frame = frame.f_back
+        return blocked
+    finally:
+        frames.clear()  # it holds this frame: a cycle keeping every rank's frames (and groups) alive
 
 
 def _seat_rank() -> int | None:

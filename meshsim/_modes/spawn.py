@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["TestTarget", "run_in_processes"]
 
 _GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
+# seconds past the timeout a rank gets to report: its groups' collectives end by the timeout
+# counted from their start, some time after the process's
+_REPORT_GRACE = 15.0
 
 
 class _Outcome(NamedTuple):
@@ -111,7 +114,7 @@ def run_in_processes(
 def _collect(children: list[Any], pipes: list[Any], timeout: float) -> dict[int, _Outcome]:
     """Each rank's outcome."""
     outcomes: dict[int, _Outcome] = {}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + _REPORT_GRACE
     waiting = dict(enumerate(pipes))
     while waiting and time.monotonic() < deadline:
         ready = multiprocessing.connection.wait(list(waiting.values()), timeout=0.1)

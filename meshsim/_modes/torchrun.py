@@ -32,7 +32,7 @@ from meshsim._modes.fixtures import RankFixtures, resolve
 from meshsim._modes.thread_ranks import TestFunction
 from meshsim._record.ledger import Ledger
 from meshsim._record.recorder import DispatchRecorder
-from meshsim._record.standing import SILENT, Standing, standing_of, verdict, verdict_error
+from meshsim._record.standing import SILENT, WAITING, Standing, standing_of, verdict, verdict_error
 
 __all__ = ["StaticSession", "TestFailedOnOtherRanks", "default_group_timeout", "set_group_timeout", "static_environment"]
 
@@ -182,9 +182,8 @@ class StaticSession:
         if found is not None and found.kind != "failed":
             self.out_of_step = True
             return verdict_error(found, "torchrun")
-        if any(report is None for report in reports):
-            self.out_of_step = True
-        self.printer_silent = reports[0] is None
+        if any(report is None for report in reports) or any(s.state == WAITING for s in standings):
+            self.out_of_step = True  # a collective some rank is in will never complete
         failed = [r for r, report in enumerate(reports) if report is None or report.kind == FAILED]
         culprit = found.culprits[0] if found is not None else failed[0]
         error: BaseException

@@ -60,7 +60,12 @@ def first_line(error: BaseException) -> str:
 
 
 def standing_of(
-    rank: int, recorder: DispatchRecorder | None, *, ended: bool, error: BaseException | None = None
+    rank: int,
+    recorder: DispatchRecorder | None,
+    *,
+    ended: bool,
+    error: BaseException | None = None,
+    blocked: bool = False,
 ) -> Standing:
     """``rank``'s standing from its recorder.
 
@@ -72,12 +77,14 @@ def standing_of(
         ended: its body ended (returned or raised); False: it is still running it.
         error: what it raised, if it did. Raised out of a collective, the rank counts as
             waiting in that call: its peers' state, not its own code, is the cause.
+        blocked: a rank still running is blocked in torch.distributed: waiting on its
+            last call's Work (c10d's ops return one at once; the wait happens after).
     """
     pending = recorder.pending if recorder is not None else None
     last = recorder.last if recorder is not None else None
     counts = recorder.counts() if recorder is not None else {}
-    if pending is None and error is not None and _from_backend(error):
-        # c10d's op returned a Work at once; waiting on it raised: the call is its last one
+    if pending is None and ((error is not None and _from_backend(error)) or (not ended and blocked)):
+        # c10d's op returned a Work at once; waiting on it raised (or blocks): the call is its last one
         pending = last
     if pending is not None:
         detail = first_line(error) if error is not None else ""
@@ -159,9 +166,10 @@ def verdict(standings: Sequence[Standing], world_size: int) -> Verdict | None:
     if not culprits:
         behind = _behind(standings, states)
         silent = {s.rank for s in standings if s.state == SILENT}
-        if behind is None and not silent:
+        failed = {s.rank for s in standings if s.state == FAILED}
+        if behind is None and not silent and not failed:
             return None
-        culprits = (behind or set()) | silent
+        culprits = (behind or set()) | silent or failed
     ordered = tuple(sorted(culprits))
     by_rank = {s.rank: s for s in standings}
     failed = [r for r in ordered if by_rank[r].state == FAILED]
