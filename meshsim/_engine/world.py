@@ -43,7 +43,7 @@ from meshsim._engine import affinity as _affinity
 from meshsim._engine import threads as _threads
 from meshsim._engine.interrupt import interrupt
 from meshsim._engine.kinds import Ranks, ranks_for
-from meshsim._engine.outcomes import decided
+from meshsim._engine.outcomes import FAILED, decided, kind_of
 from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
 from meshsim._observe.watch import looking_for_waste, open_watches
@@ -845,7 +845,8 @@ class World:
             return
         if self.scheduler.error is not None:
             return  # a consequence of the failure that stopped the world (gloo peers see closed sockets)
-        found = self.kind.verdict(self.endings, self.world_size)
+        # a skip or xfail decides the test (see outcomes): no verdict for it
+        found = self.kind.verdict(self.endings, self.world_size) if kind_of(exc) == FAILED else None
         if found is not None and not isinstance(found, str):
             # a gloo rank whose collective failed because a peer finished, failed or went elsewhere
             self.scheduler.abort(found)

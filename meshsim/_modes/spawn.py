@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["TestTarget", "run_in_processes"]
 
-_GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
+# seconds the other ranks get to report once one rank has failed: those in a collective with it
+# see its closed connection at once, unless they are still starting (a loaded machine)
+_GRACE = 15.0
 # seconds past the timeout a rank gets to report: its groups' collectives end by the timeout
 # counted from their start, some time after the process's
 _REPORT_GRACE = 15.0

@@ -157,7 +157,7 @@ class StaticSession:
             fixtures.ledger if failure is None and check is not None else None,
         )
         reports = self._exchange(mine)
-        kinds = [report.kind if report is not None else FAILED for report in reports]
+        kinds = _kinds(reports)
         outcome, decider = combine(kinds)
         if outcome == PASSED:
             if check is not None:
@@ -165,6 +165,8 @@ class StaticSession:
             return
         if outcome == FAILED:
             raise self._failure(failure, reports)
+        if any(report is not None and report.standing.state == WAITING for report in reports):
+            self.out_of_step = True  # a skip left the others in a collective: it will never complete
         assert decider is not None  # a skip or xfail came from somewhere
         report = reports[decider]
         if failure is not None and here == outcome:
@@ -276,6 +278,25 @@ class _Report:
     traceback: str  # a failure's traceback, from the user's code on
     standing: Standing
     ledger: Ledger | None  # the body's, when passed and asked for
+
+
+def _kinds(reports: list[_Report | None]) -> list[str]:
+    """Each rank's outcome; a rank whose collective failed because another skipped or xfailed has no say.
+
+    As on simulated ranks (see :mod:`meshsim._engine.outcomes`), the skip decides;
+    the ranks it left in a collective fail only by its group's timeout.
+    """
+    kinds = [report.kind if report is not None else FAILED for report in reports]
+    if not any(kind in (SKIPPED, XFAILED) for kind in kinds):
+        return kinds
+    victims = [
+        r for r, report in enumerate(reports)
+        if report is not None and report.kind == FAILED and report.standing.state == WAITING
+    ]
+    if len(victims) == kinds.count(FAILED):
+        for r in victims:
+            kinds[r] = PASSED
+    return kinds
 
 
 def _silent(rank: int, waited: float) -> Standing:

@@ -13,6 +13,7 @@ stuck in its own code) is shown as such, not guessed at.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -193,11 +194,15 @@ def verdict_error(found: Verdict, backend: str) -> MeshError:
     return DeadlockError(message, states=found.states, ranks=found.culprits)
 
 
+_SOURCE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ")
+
+
 def _seen(standings: Sequence[Standing]) -> str:
     """How the real backend showed it: the first waiting rank's own error, shortened."""
     for s in standings:
         if s.state == WAITING and s.detail:
-            text = s.detail if len(s.detail) <= 120 else s.detail[:117] + "..."
+            text = _SOURCE.sub("", s.detail)  # gloo's "[.../pair.cc:553] " before its message
+            text = text if len(text) <= 120 else text[:117] + "..."
             return f"\n(seen on) rank {s.rank}'s call ended with {text}"
     return ""
 
