@@ -60,7 +60,9 @@ def test_from_local_infer_vs_chunk(distributed_mesh, rank, world_size):
     shape = (1, rows, 64, 32)
     modes = {
         "infer": lambda: ShardTensor.from_local(local, mesh, [Shard(1)]),
-        "chunk": lambda: ShardTensor.from_local(local, mesh, [Shard(1)], sharding_shapes="chunk", global_shape=shape),
+        "chunk": lambda: ShardTensor.from_local(
+            local, mesh, [Shard(1)], sharding_shapes="chunk", global_shape=shape
+        ),
     }
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     line = []
@@ -95,7 +97,13 @@ def _run(args: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str, f
     start = time.monotonic()
     try:
         done = subprocess.run(
-            args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+            args,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
         )
         code, out = done.returncode, done.stdout
     except subprocess.TimeoutExpired as timed_out:
@@ -105,8 +113,19 @@ def _run(args: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str, f
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "pytest", "-p", "no:cacheprovider", "--multigpu-static", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--multigpu-static",
+        *args,
+    ]
 
 
 def _summary(out: str) -> str:
@@ -137,7 +156,10 @@ def simulated_on_gpu(gpus: int, scratch: Path) -> Step:
         code, out, took = _run([*args, "tests/shardtensor", "-m", "not slow"], 240)
     else:
         name = "simulated ranks, CUDA emulated: --mesh-cuda=cpu (test_readme.py, test_cuda_option.py)"
-        code, out, took = _run([*args, "tests/shardtensor/test_readme.py", "tests/plugin/test_cuda_option.py", "-m", "not slow"], 240)
+        code, out, took = _run(
+            [*args, "tests/shardtensor/test_readme.py", "tests/plugin/test_cuda_option.py", "-m", "not slow"],
+            240,
+        )
     return Step(name, _verdict(code == 0, _summary(out), out), took)
 
 
@@ -152,8 +174,11 @@ def failure_report(gpus: int, scratch: Path) -> Step:
     # gloo's all_reduce blocks rank 0 until the timeout; NCCL's returns, and the bodies' ends disagree
     timeout = "--mesh-timeout=20" if gpus >= 2 else "--mesh-timeout=8"
     code, out, took = _run(_torchrun(2, "test_user_sharding.py", "-q", timeout), 150, cwd=folder)
-    wanted = ["rank 0: waiting in all_reduce(float32[4], SUM), call #0 of group [0, 1]", "rank 1: finished",
-              "Ranks wait for rank 1, which finished."]
+    wanted = [
+        "rank 0: waiting in all_reduce(float32[4], SUM), call #0 of group [0, 1]",
+        "rank 1: finished",
+        "Ranks wait for rank 1, which finished.",
+    ]
     missing = [line for line in wanted if line not in out]
     ok = code not in (0, -1) and not missing
     text = "failed as expected, rank 1 named, per-rank table" if ok else f"exit {code}; missing {missing}"
@@ -201,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             "--mesh-cuda=cuda:0 (step 2 emulated CUDA on the CPU instead): no GPU on this machine",
         ]
     elif gpus == 1:
-        skipped = ["failure report on NCCL (step 3 ran on gloo CPU ranks): NCCL needs one GPU per rank, this machine has 1"]
+        skipped = [
+            "failure report on NCCL (step 3 ran on gloo CPU ranks): "
+            "NCCL needs one GPU per rank, this machine has 1"
+        ]
     _table(steps)
     for line in skipped:
         print(f"skipped: {line}")

@@ -39,7 +39,9 @@ def why_text(finished: Sequence[int], elsewhere: Sequence[int]) -> str:
     if finished:
         parts.append(f"rank{_plural(finished)} {ranks_text(finished)}, which finished")
     if elsewhere:
-        parts.append(f"rank{_plural(elsewhere)} {ranks_text(elsewhere)}, which wait in another call (see above)")
+        parts.append(
+            f"rank{_plural(elsewhere)} {ranks_text(elsewhere)}, which wait in another call (see above)"
+        )
     return "Ranks wait for " + " and for ".join(parts) + "." if parts else ""
 
 

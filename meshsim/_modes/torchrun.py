@@ -34,7 +34,13 @@ from meshsim._record.ledger import Ledger
 from meshsim._record.recorder import DispatchRecorder
 from meshsim._record.standing import SILENT, WAITING, Standing, standing_of, verdict, verdict_error
 
-__all__ = ["StaticSession", "TestFailedOnOtherRanks", "default_group_timeout", "set_group_timeout", "static_environment"]
+__all__ = [
+    "StaticSession",
+    "TestFailedOnOtherRanks",
+    "default_group_timeout",
+    "set_group_timeout",
+    "static_environment",
+]
 
 
 _STATIC_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -161,7 +167,9 @@ class StaticSession:
         outcome, decider = combine(kinds)
         if outcome == PASSED:
             if check is not None:
-                check([report.ledger for report in reports if report is not None and report.ledger is not None])
+                check(
+                    [report.ledger for report in reports if report is not None and report.ledger is not None]
+                )
             return
         if outcome == FAILED:
             raise self._failure(failure, reports)
@@ -228,9 +236,10 @@ class StaticSession:
         ``_get_default_store`` is private: the default group's store (torchrun's, or
         the one ``init_process_group`` made); checked on torch 2.13 and 2.14.
         """
+        from torch._C._distributed_c10d import PrefixStore
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return dist.PrefixStore(f"meshsim/reports/{test}/", _get_default_store())
+        return PrefixStore(f"meshsim/reports/{test}/", _get_default_store())
 
 
 def set_group_timeout(timeout: datetime.timedelta, group: Any = None) -> None:
@@ -290,7 +299,8 @@ def _kinds(reports: list[_Report | None]) -> list[str]:
     if not any(kind in (SKIPPED, XFAILED) for kind in kinds):
         return kinds
     victims = [
-        r for r, report in enumerate(reports)
+        r
+        for r, report in enumerate(reports)
         if report is not None and report.kind == FAILED and report.standing.state == WAITING
     ]
     if len(victims) == kinds.count(FAILED):

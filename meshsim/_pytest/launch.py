@@ -130,7 +130,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def unrun_line(needs: Counter[int], world_size: int) -> str:
     """``3 tests need world 4; this job has 2 ranks: torchrun --nproc-per-node=4``."""
-    parts = [f"{n} test{'s' if n > 1 else ''} need{'' if n > 1 else 's'} world {size}" for size, n in sorted(needs.items())]
+    parts = [
+        f"{n} test{'s' if n > 1 else ''} need{'' if n > 1 else 's'} world {size}"
+        for size, n in sorted(needs.items())
+    ]
     commands = " or ".join(f"torchrun --nproc-per-node={size}" for size in sorted(needs))
     return f"{', '.join(parts)}; this job has {world_size} rank{'s' if world_size > 1 else ''}: {commands}"
 

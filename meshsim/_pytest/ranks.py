@@ -75,7 +75,9 @@ def _out_of_step(item: pytest.Function, error: BaseException) -> None:
         "the job's process group cannot run more tests"
     )
     if static.rank != 0 and static.printer_silent and item.config.getoption("mesh_report") == "rank0":
-        sys.stderr.write(f"meshsim: rank {static.rank}, as rank 0 did not report: {item.nodeid} failed\n{error}\n")
+        sys.stderr.write(
+            f"meshsim: rank {static.rank}, as rank 0 did not report: {item.nodeid} failed\n{error}\n"
+        )
         for note in getattr(error, "__notes__", []):
             sys.stderr.write(f"{note}\n")
         sys.stderr.flush()

@@ -387,7 +387,9 @@ class Entered:
 
 
 def _desc(tensors: Sequence[Tensor | None] | None) -> str:
-    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors or () if t is not None)
+    return ", ".join(
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors or () if t is not None
+    )
 
 
 def _call_text(seen: _Seen) -> str:

@@ -21,7 +21,18 @@ from meshsim._base.errors import CollectiveMismatchError, DeadlockError, MeshErr
 from meshsim._base.tables import deadlock_text, mismatch_text, waiting_text, why_text
 from meshsim._record.recorder import DispatchRecorder, Entered
 
-__all__ = ["FAILED", "FINISHED", "RUNNING", "SILENT", "WAITING", "Standing", "Verdict", "standing_of", "verdict", "verdict_error"]
+__all__ = [
+    "FAILED",
+    "FINISHED",
+    "RUNNING",
+    "SILENT",
+    "WAITING",
+    "Standing",
+    "Verdict",
+    "standing_of",
+    "verdict",
+    "verdict_error",
+]
 
 FINISHED, FAILED, WAITING, RUNNING, SILENT = "finished", "failed", "waiting", "running", "silent"
 
@@ -167,10 +178,10 @@ def verdict(standings: Sequence[Standing], world_size: int) -> Verdict | None:
     if not culprits:
         behind = _behind(standings, states)
         silent = {s.rank for s in standings if s.state == SILENT}
-        failed = {s.rank for s in standings if s.state == FAILED}
-        if behind is None and not silent and not failed:
+        raised = {s.rank for s in standings if s.state == FAILED}
+        if behind is None and not silent and not raised:
             return None
-        culprits = (behind or set()) | silent or failed
+        culprits = (behind or set()) | silent or raised
     ordered = tuple(sorted(culprits))
     by_rank = {s.rank: s for s in standings}
     failed = [r for r in ordered if by_rank[r].state == FAILED]
@@ -190,7 +201,9 @@ def verdict_error(found: Verdict, backend: str) -> MeshError:
     """The error a deadlock or mismatch verdict raises, as the simulated backend raises it."""
     message = found.message.replace("(seen on)", f"(seen on {backend})")
     if found.kind == "mismatch":
-        return CollectiveMismatchError(message, group=found.group, seq=found.seq, ranks=found.culprits, calls=found.calls)
+        return CollectiveMismatchError(
+            message, group=found.group, seq=found.seq, ranks=found.culprits, calls=found.calls
+        )
     return DeadlockError(message, states=found.states, ranks=found.culprits)
 
 
@@ -217,7 +230,9 @@ def _describe(s: Standing) -> str:
     if s.state == FAILED:
         return f"failed: {s.detail}"
     if s.state == RUNNING:
-        return "running its own code" + (f" (its last call: {s.last.text} at {s.last.site})" if s.last else "")
+        return "running its own code" + (
+            f" (its last call: {s.last.text} at {s.last.site})" if s.last else ""
+        )
     if s.state == SILENT:
         return f"did not report: {s.detail}" if s.detail else "did not report"
     return s.state

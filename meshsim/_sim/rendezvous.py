@@ -200,7 +200,10 @@ class Slot(Waitable):
             odd = tuple(ranks[r] for r in culprits(problems))
         else:
             odd = _odd_ones(self.calls, ranks)
-        calls = [(ranks[i], c.text, c.site) if c is not None else (ranks[i], None, None) for i, c in enumerate(self.calls)]
+        calls = [
+            (ranks[i], c.text, c.site) if c is not None else (ranks[i], None, None)
+            for i, c in enumerate(self.calls)
+        ]
         details = [_global(p.text, ranks) for p in problems]
         message = mismatch_text(headline, self._where(), calls, odd, details)
         return CollectiveMismatchError(message, group=ranks, seq=self.seq, ranks=odd, calls=texts)

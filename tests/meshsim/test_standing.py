@@ -25,7 +25,9 @@ GROUP = ("0", (0, 1))
 SITE = "test_x.py:12 in test_y"
 
 
-def _call(text: str = "all_reduce(float32[4], SUM)", seq: int = 0, ranks: tuple[int, ...] = (0, 1)) -> Entered:
+def _call(
+    text: str = "all_reduce(float32[4], SUM)", seq: int = 0, ranks: tuple[int, ...] = (0, 1)
+) -> Entered:
     return Entered(text, "0", ranks, seq, SITE)
 
 
@@ -51,7 +53,10 @@ def test_a_rank_that_finished_while_another_waits_is_the_culprit() -> None:
     assert found is not None and (found.kind, found.culprits) == ("deadlock", (1,))
     error = verdict_error(found, "gloo")
     assert isinstance(error, DeadlockError) and error.ranks == (1,)
-    assert str(error) == SIM_TABLE + "\n(seen on gloo) rank 0's call ended with RuntimeError: Connection closed by peer"
+    assert (
+        str(error)
+        == SIM_TABLE + "\n(seen on gloo) rank 0's call ended with RuntimeError: Connection closed by peer"
+    )
 
 
 def test_the_table_is_the_one_sim_prints() -> None:
@@ -75,7 +80,8 @@ def test_a_rank_that_raised_is_named_and_the_table_is_its_note() -> None:
     assert found is not None and (found.kind, found.culprits) == ("failed", (1,))
     assert found.message.splitlines() == [
         "where every rank stood:",
-        f"  rank 0: waiting in all_reduce(float32[4], SUM), call #0 of group [0, 1] at {SITE}; waiting for rank 1",
+        "  rank 0: waiting in all_reduce(float32[4], SUM), call #0 of group [0, 1] at "
+        f"{SITE}; waiting for rank 1",
         "  rank 1: failed: ValueError: rank 1 broke",
     ]
 
@@ -85,7 +91,11 @@ def test_ranks_in_different_collectives_are_a_mismatch() -> None:
     found = verdict(standings, 2)
     assert found is not None and (found.kind, found.culprits) == ("mismatch", (1,))
     error = verdict_error(found, "torchrun")
-    assert isinstance(error, CollectiveMismatchError) and (error.group, error.seq, error.ranks) == ((0, 1), 0, (1,))
+    assert isinstance(error, CollectiveMismatchError) and (error.group, error.seq, error.ranks) == (
+        (0, 1),
+        0,
+        (1,),
+    )
     assert str(error).splitlines()[:3] == [
         "ranks entered different collectives in call #0 of group [0, 1]:",
         f"  rank 0: all_reduce(float32[4], SUM)  at {SITE}",
@@ -116,13 +126,18 @@ def test_a_rank_that_never_reported_is_named() -> None:
 def test_a_rank_still_running_its_code_is_named() -> None:
     standings = [Standing(0, WAITING, "", _call()), Standing(1, RUNNING, "")]
     found = verdict(standings, 2)
-    assert found is not None and found.message.endswith("Ranks wait for rank 1, which is still running its own code.")
+    assert found is not None and found.message.endswith(
+        "Ranks wait for rank 1, which is still running its own code."
+    )
 
 
 @pytest.mark.parametrize(
     "standings",
     [
-        [Standing(0, FINISHED, "its function returned", counts=_counts(2)), Standing(1, FINISHED, "", counts=_counts(2))],
+        [
+            Standing(0, FINISHED, "its function returned", counts=_counts(2)),
+            Standing(1, FINISHED, "", counts=_counts(2)),
+        ],
         [Standing(0, WAITING, "", _call()), Standing(1, WAITING, "", _call())],
     ],
     ids=["both-finished-alike", "both-in-the-same-call"],
@@ -142,7 +157,11 @@ def test_a_recorder_knows_the_call_its_rank_is_in_and_its_last() -> None:
     standings = meshsim.run(body, 2, backend="gloo")
     assert [s.state for s in standings] == [FINISHED, FINISHED]
     last = standings[1].last
-    assert last is not None and (last.text, last.seq, last.ranks) == ("broadcast(float32[2], root=0)", 1, (0, 1))
+    assert last is not None and (last.text, last.seq, last.ranks) == (
+        "broadcast(float32[2], root=0)",
+        1,
+        (0, 1),
+    )
     assert last.site.startswith("test_standing.py:")
     assert list(standings[0].counts.values()) == [((0, 1), 2)]
 

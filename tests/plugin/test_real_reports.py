@@ -47,7 +47,8 @@ def test_different(rank):
 EXPECTED = {
     "skips": [
         "DeadlockError: deadlock: no rank of the 2-rank world can make progress.",
-        "  rank 0: waiting in all_reduce(float32[[]4[]], SUM), call #0 of group [[]0, 1[]] at test_cases.py:6 "
+        "  rank 0: waiting in all_reduce(float32[[]4[]], SUM), call #0 of group [[]0, 1[]] at "
+        "test_cases.py:6 "
         "in test_skips; waiting for rank 1",
         "  rank 1: finished: its function returned",
         "Ranks wait for rank 1, which finished.",
@@ -80,7 +81,9 @@ def _expected(*names: str) -> list[str]:
 
 @pytest.mark.slow  # gloo ranks; the mismatch ends by the groups' timeout
 @pytest.mark.parametrize("backend", ["gloo", "spawn"])
-def test_thread_and_spawned_ranks_name_the_culprit_with_the_table(pytester: pytest.Pytester, backend: str) -> None:
+def test_thread_and_spawned_ranks_name_the_culprit_with_the_table(
+    pytester: pytest.Pytester, backend: str
+) -> None:
     pytester.makepyfile(test_cases=CASES)
     # 15 s: a spawned rank's process starts before its collectives count it (slow on a loaded machine)
     result = pytester.runpytest_subprocess("--mesh-backend", backend, "--mesh-timeout", "15", timeout=400)
@@ -124,7 +127,10 @@ def test_torchrun_ranks_name_the_culprit_with_the_table(pytester: pytest.Pyteste
     result = _torchrun(pytester, "--mesh-timeout", "5", "-k", case)
     assert result.ret != 0
     result.stdout.fnmatch_lines(
-        [*_expected(case), "*Interrupted: meshsim: test_cases.py::test_* left the ranks' collectives out of step*"]
+        [
+            *_expected(case),
+            "*Interrupted: meshsim: test_cases.py::test_* left the ranks' collectives out of step*",
+        ]
     )
     result.stdout.no_fnmatch_line("*_modes/torchrun.py*")  # no traceback through meshsim
 
@@ -178,17 +184,24 @@ def test_a_torchrun_job_that_ran_no_distributed_test_says_so_and_fails(
     result.assert_outcomes(skipped=4)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
-        ["meshsim: 3 tests need world 4; this job has 1 rank: torchrun --nproc-per-node=4; no distributed test ran"]
+        [
+            "meshsim: 3 tests need world 4; this job has 1 rank: torchrun --nproc-per-node=4; "
+            "no distributed test ran"
+        ]
     )
 
 
 @pytest.mark.slow  # a pytest process as rank 0 of a 1-process torchrun job
-def test_mesh_allow_unrun_keeps_exit_status_0(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mesh_allow_unrun_keeps_exit_status_0(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _torchrun_env(monkeypatch, world_size=1)
     pytester.makepyfile(test_sizes=NEEDS_FOUR)
     result = pytester.runpytest_subprocess("--multigpu-static", "--mesh-allow-unrun")
     assert result.ret == pytest.ExitCode.OK
-    result.stdout.fnmatch_lines(["meshsim: 3 tests need world 4; this job has 1 rank: *(--mesh-allow-unrun: exit status 0)"])
+    result.stdout.fnmatch_lines(
+        ["meshsim: 3 tests need world 4; this job has 1 rank: *(--mesh-allow-unrun: exit status 0)"]
+    )
 
 
 @pytest.mark.slow  # a pytest process as rank 0 of a 1-process torchrun job
