@@ -183,9 +183,9 @@ class GlooRanks(Ranks):
         return verdict_error(found, "gloo")
 
 
-# torch.distributed's modules that wait on a collective's Work (c10d's ``work.wait()``,
-# funcol's ``wait_tensor``): a rank thread whose innermost Python frame is in one of them
-# is blocked on its last call. Checked on torch 2.13 and 2.14.
+# torch.distributed's modules that issue and wait on a collective's Work (c10d's
+# ``work.wait()``, funcol's ``wait_tensor``, c10d's logging of a failed call): a rank
+# thread with a frame in one of them is in its last call. Checked on torch 2.13 and 2.14.
 _WAITS_IN = tuple(
     os.path.join(os.path.dirname(dist.__file__), name)
     for name in ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py")
@@ -193,14 +193,18 @@ _WAITS_IN = tuple(
 
 
 def _blocked_in_c10d(idents: Mapping[int, int]) -> set[int]:
-    """The ranks whose thread waits inside torch.distributed's collectives (on a Work)."""
+    """The ranks whose thread is inside torch.distributed's collectives (waiting on a Work)."""
     frames = sys._current_frames()
     try:
-        return {
-            rank
-            for rank, ident in list(idents.items())
-            if ident in frames and frames[ident].f_code.co_filename in _WAITS_IN
-        }
+        blocked = set()
+        for rank, ident in list(idents.items()):
+            frame = frames.get(ident)
+            while frame is not None:
+                if frame.f_code.co_filename in _WAITS_IN:
+                    blocked.add(rank)
+                    break
+                frame = frame.f_back
+        return blocked
     finally:
         frames.clear()  # it holds this frame: a cycle keeping every rank's frames (and groups) alive
 
