@@ -48,8 +48,9 @@ def pytest_fixture_setup(
     that are not installed packages, test modules) that a distributed test requests
     runs on every rank, each building its own value, when it is wider than function
     scope (what a torchrun process sets up once: managers, meshes, groups) or depends
-    on a per-rank value (``rank``, ``distributed_mesh``, another such fixture). pytest keeps a placeholder that each
-    rank resolves; its scope ends on the ranks too. Other fixtures run once, here.
+    on a per-rank value (``rank``, ``distributed_mesh``, another such fixture). pytest
+    keeps a placeholder that each rank resolves; its scope ends on the ranks too. Other
+    fixtures run once, here.
     """
     placeholder = _on_ranks(state_of(request.config), fixturedef, request)
     if placeholder is None:
