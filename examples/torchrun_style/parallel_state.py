@@ -18,7 +18,7 @@ _DATA_PARALLEL_GROUP = None
 
 
 def initialize_model_parallel(tensor_parallel_size: int = 1) -> None:
-    """Split the world into tensor-parallel groups of consecutive ranks and data-parallel groups across them."""
+    """Split the world into tensor-parallel groups of consecutive ranks, data-parallel ones across them."""
     global _TENSOR_MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP_GLOO
     global _TENSOR_MODEL_PARALLEL_GROUP_NCCL, _DATA_PARALLEL_GROUP
     world, rank = dist.get_world_size(), dist.get_rank()

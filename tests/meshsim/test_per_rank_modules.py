@@ -107,7 +107,7 @@ def test_a_session_keeps_each_ranks_globals_across_calls(modules: tuple[ModuleTy
             session.call(state.initialize)
             helper.imports.append("caller")  # between calls the caller has its own namespace
             ranks = session.call(
-                lambda: dist.get_process_group_ranks(state.get_group()) + [len(helper.imports)]
+                lambda: [*dist.get_process_group_ranks(state.get_group()), len(helper.imports)]
             )
         finally:
             session.close()

@@ -117,8 +117,8 @@ def test_gloo_thread_ranks_refuse_per_rank_imports(suite: pytest.Pytester) -> No
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
-            "*--mesh-unmarked=ranks gives each simulated rank its own imports*--mesh-backend=gloo thread ranks "
-            "run at once and would share them*"
+            "*--mesh-unmarked=ranks gives each simulated rank its own imports*"
+            "--mesh-backend=gloo thread ranks run at once and would share them*"
         ]
     )
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 import parallel_state
+import torch
 
 
 class Utils:

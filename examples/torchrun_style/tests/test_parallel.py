@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
+import parallel_state as ps
 import pytest
 import torch
 import torch.distributed as dist
 
-import parallel_state as ps
 from tests.helpers import Utils
 
 rank = int(os.environ["LOCAL_RANK"])  # this process's rank, read once, at import
