@@ -41,7 +41,7 @@ from typing import Any
 
 from meshsim._process.handover import PerRankState, Slot, add_slots, declared_slots
 
-__all__ = ["import_pending", "per_rank_module", "refuse_unserialized"]
+__all__ = ["ModuleSlot", "declared_modules", "import_pending", "per_rank_module", "refuse_unserialized"]
 
 # What the import system puts in a module's namespace before its code runs.
 _IMPORT_SET = (
