@@ -202,3 +202,26 @@ def test_a_module_with_names_declared_per_rank_cannot_be_declared_whole(
     with meshsim.per_rank(state, "_GROUP"):
         with pytest.raises(ValueError, match=rf"{state.__name__}._GROUP is declared per rank already"):
             meshsim.per_rank_module(state)
+
+
+def test_groups_that_differ_because_ranks_share_state_name_the_likely_cause(
+    make_module: Callable[[str, str], ModuleType],
+) -> None:
+    shared = make_module(
+        "state_groups_per_rank",
+        """
+        import torch.distributed as dist
+
+        _MADE = []  # a process's record of what it initialized: one per torchrun process
+
+        def initialize():
+            ranks = [dist.get_rank()] if _MADE else list(range(dist.get_world_size()))
+            _MADE.append(dist.new_group(ranks))
+        """,
+    )
+    with pytest.raises(
+        meshsim.RankError, match=r"(?s)likely cause is state the rank threads share.*per_rank_module"
+    ):
+        meshsim.run(shared.initialize, 2)
+    with meshsim.per_rank_module(shared):
+        meshsim.run(shared.initialize, 2)
