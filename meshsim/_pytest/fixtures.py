@@ -14,13 +14,16 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from meshsim._pytest.monkeypatch import rank_monkeypatch
 from meshsim._pytest.options import spec_of
 from meshsim._pytest.state import PluginState, state_of
+
+if TYPE_CHECKING:
+    from meshsim._pytest.simjob import SimulatedJob
 
 __all__ = ["refuse_per_rank_values", "with_fixtures_for_ranks"]
 
@@ -51,18 +54,51 @@ def pytest_fixture_setup(
     on a per-rank value (``rank``, ``distributed_mesh``, another such fixture). pytest
     keeps a placeholder that each rank resolves; its scope ends on the ranks too. Other
     fixtures run once, here.
+
+    On the static suite's simulated job the ranks build it right away, where pytest
+    sets it up: a skip or failure there (an autouse ``skip_on_cpu(device)`` whose
+    ``device`` is per rank) ends the test's set-up before the fixtures pytest would
+    set up after it, as in each torchrun process. A world-marked test's world starts
+    with its body: its ranks build such fixtures then, in pytest's order.
     """
-    placeholder = _on_ranks(state_of(request.config), fixturedef, request)
+    state = state_of(request.config)
+    placeholder = _on_ranks(state, fixturedef, request)
     if placeholder is None:
         return (yield)
+    job = _job_of(state)
     original = fixturedef.func
-    # pytest calls fixturedef.func and caches what it returns for the fixture's scope
-    # (FixtureDef.func is an attribute in pytest 8 and 9, typed Final)
-    fixturedef.func = lambda **_: placeholder  # type: ignore[misc]
+
+    def set_up(**_: object) -> Any:
+        if job is not None:
+            _build_on_job(job, placeholder)
+        return placeholder
+
+    # pytest calls fixturedef.func, and caches what it returns, or raises, for the fixture's
+    # scope (FixtureDef.func is an attribute in pytest 8 and 9, typed Final)
+    fixturedef.func = set_up  # type: ignore[misc]
     try:
         return (yield)
     finally:
         fixturedef.func = original  # type: ignore[misc]
+
+
+def _job_of(state: PluginState) -> SimulatedJob | None:
+    """The simulated static job the current test runs on (None: a world of its own, or torchrun)."""
+    item = state.item
+    if state.job is None or item is None or item.get_closest_marker("world") is not None:
+        return None
+    return state.job
+
+
+def _build_on_job(job: SimulatedJob, placeholder: Any) -> None:
+    """Build ``placeholder`` on every rank of the job; a rank's skip, xfail or failure is raised here."""
+    from meshsim._base.errors import RankError
+    from meshsim._engine.outcomes import decided
+
+    try:
+        job.build_fixture(placeholder)
+    except RankError as error:
+        raise decided(error) from None
 
 
 def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
@@ -88,8 +124,9 @@ def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: p
     if "monkeypatch" in values:  # what a torchrun process patches is its own
         values["monkeypatch"] = rank_monkeypatch(item)
     key = object()  # this instance of the fixture (a parametrized one has several)
-    job, world = state.job, state.job.world() if state.job is not None else 0
-    if job is not None and item.get_closest_marker("world") is None:
+    job = _job_of(state)
+    if job is not None:
+        world = job.world()
         request.addfinalizer(lambda: job.finish_fixture(key, world))
     return recipe(fixturedef.argname, func, values, fixturedef.scope, key)
 

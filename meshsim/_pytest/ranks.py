@@ -153,9 +153,12 @@ def _run_ranks(
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A meshsim error's report: the failing rank's own traceback, or the per-rank table."""
+    """A meshsim error's report: the failing rank's own traceback, or the per-rank table.
+
+    In the body, or in a fixture the static suite's ranks set up (:mod:`meshsim._pytest.fixtures`).
+    """
     report = yield
-    if call.excinfo is not None and call.when == "call":
+    if call.excinfo is not None and call.when in ("setup", "call"):
         text = _mesh_failure(call.excinfo.value)
         if text is not None:
             report.longrepr = text

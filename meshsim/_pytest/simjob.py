@@ -43,7 +43,7 @@ import pytest
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.context import current
 from meshsim._engine import Ledger, Session, restart_numbering
-from meshsim._modes.fixtures import RankFixtures, resolve
+from meshsim._modes.fixtures import PerRank, RankFixtures, resolve
 
 __all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code", "plugin_files"]
 
@@ -166,6 +166,14 @@ class SimulatedJob:
         """
         return self.session.call(self._body, test, funcargs, record, name=getattr(test, "__name__", None))
 
+    def build_fixture(self, placeholder: PerRank) -> None:
+        """Build a user fixture on every rank now, where pytest sets it up; raises as a test body's call.
+
+        A skip or failure there stops the test's set-up at that fixture, as in each
+        torchrun process: the fixtures pytest would set up after it are not reached.
+        """
+        self.session.call(self._build, placeholder, name=f"fixture {placeholder.name}")
+
     def finish_fixture(self, key: object, world: int) -> None:
         """Tear down a user fixture on the ranks that built it (if their world still runs)."""
         if self.session.running and world == self.session.worlds:
@@ -249,6 +257,9 @@ class SimulatedJob:
         ledger, fixtures.ledger = fixtures.ledger, None
         fixtures.finish(scope="function")
         return ledger
+
+    def _build(self, placeholder: PerRank) -> None:
+        placeholder.build(self._rank_fixtures())
 
     def _finish(self, key: object) -> None:
         self._rank_fixtures().finish(key)
