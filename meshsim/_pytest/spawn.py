@@ -8,6 +8,7 @@ starts a new process per rank per test, as before.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -81,3 +82,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if pools is not None:
         del config.stash[_POOLS]
         pools.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line on the kept rank processes (how many ran how many tests), and why any was replaced."""
+    pools = terminalreporter.config.stash.get(_POOLS, None)
+    if pools is None:
+        return
+    statistics = pools.statistics()
+    terminalreporter.write_line(f"meshsim: spawned ranks: {statistics}")
+    reasons = Counter(why for _, why in statistics.replaced)
+    for why, times in reasons.most_common(_REASONS):
+        first = why.splitlines()[0] if why else why
+        terminalreporter.write_line(f"  {times} x {first}")
+    if len(reasons) > _REASONS:
+        terminalreporter.write_line(f"  and {len(reasons) - _REASONS} other reason(s)")
+
+
+_REASONS = 5
