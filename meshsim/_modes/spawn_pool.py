@@ -33,6 +33,7 @@ the session ends (:meth:`RankPools.close`), and die with this process
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -453,6 +454,14 @@ class _Baseline:
                 put(value)
         if dist.is_available() and dist.is_initialized():
             return "it still had a process group initialized after the test"
+        # A destroyed group's threads (gloo's, NCCL's) end when the group object is freed, and
+        # DeviceMesh and DTensor objects hold groups in reference cycles: without a collection
+        # here a kept process gathered thousands of threads over tests/shardtensor. What survives
+        # is frozen, so the next collection looks at the next test's objects only (a full one
+        # took 1-2 s per test on a loaded machine); cyclic garbage that forms among frozen
+        # objects later is not freed, which a process that lives for a session can afford.
+        gc.collect()
+        gc.freeze()
         left = [t.name for t in threading.enumerate() if t.ident not in self.threads and t.is_alive()]
         if left:
             return f"the test left thread(s) running in it: {', '.join(sorted(left))}"

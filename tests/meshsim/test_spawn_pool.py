@@ -7,6 +7,7 @@ The bodies below run in the pool's rank processes; each writes what the test che
 from __future__ import annotations
 
 import ast
+import gc
 import hashlib
 import os
 import threading
@@ -93,6 +94,19 @@ def leave_a_thread_on_rank_0(folder: str) -> None:
         threading.Thread(target=threading.Event().wait, name="left-behind", daemon=True).start()
 
 
+def make_groups_and_count_threads(folder: str) -> None:
+    """Groups in reference cycles (a 2-D mesh, DTensor): freed, with their threads, when the test ends."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)]).full_tensor()
+    cycle: list[object] = [mesh]
+    cycle.append(cycle)
+    gc.collect()  # the cycle, alive, moves to the oldest generation: rarely collected on its own
+    _note(folder, "threads", len(os.listdir("/proc/self/task")))
+
+
 def _target(body: object) -> Target:
     return Target(__name__, __file__, body.__qualname__)  # type: ignore[attr-defined]
 
@@ -176,6 +190,15 @@ def test_a_process_a_test_left_a_thread_running_in_is_replaced(pools: RankPools,
     assert (after[0] != before[0], after[1]) == (True, before[1])
     rank, why = pools.statistics().replaced[-1]
     assert (rank, why) == (0, "the test left thread(s) running in it: left-behind")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_kept_process_does_not_gather_threads_test_after_test(pools: RankPools, tmp_path: Path) -> None:
+    counts = []
+    for _ in range(4):
+        pools.run(_target(make_groups_and_count_threads), {"folder": str(tmp_path)}, 4, timeout=30.0)
+        counts.append(_notes(tmp_path, "threads", 4))
+    assert counts[3] == counts[1], counts  # the first test may start torch's own pools
 
 
 def test_closing_ends_every_process(tmp_path: Path) -> None:
