@@ -10,8 +10,11 @@ import ast
 import gc
 import hashlib
 import os
+import re
+import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,6 +110,17 @@ def make_groups_and_count_threads(folder: str) -> None:
     _note(folder, "threads", len(os.listdir("/proc/self/task")))
 
 
+_KEPT: list[object] = []
+
+
+def keep_a_group_alive(folder: str) -> None:
+    """A group (and its threads) a module keeps past the test: destroyed, but never freed."""
+    group = dist.new_group([0, 1])
+    dist.barrier(group=group)
+    _KEPT.append(group)
+    _note(folder, "pid", os.getpid())
+
+
 def _target(body: object) -> Target:
     return Target(__name__, __file__, body.__qualname__)  # type: ignore[attr-defined]
 
@@ -192,6 +206,20 @@ def test_a_process_a_test_left_a_thread_running_in_is_replaced(pools: RankPools,
     assert (rank, why) == (0, "the test left thread(s) running in it: left-behind")
 
 
+def test_an_argument_a_rank_cannot_unpickle_fails_the_test_and_keeps_the_processes(
+    pools: RankPools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent_only = types.ModuleType("meshsim_test_parent_only")  # no rank process can import it
+    exec("class Thing:\n    pass", parent_only.__dict__)
+    monkeypatch.setitem(sys.modules, parent_only.__name__, parent_only)
+    before = _run(pools, note_pid, tmp_path)
+    with pytest.raises(
+        RankError, match=r"could not be received(.|\n)*No module named 'meshsim_test_parent_only'"
+    ):
+        _run(pools, note_pid, tmp_path, thing=parent_only.Thing())
+    assert _run(pools, note_pid, tmp_path) == before
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_a_kept_process_does_not_gather_threads_test_after_test(pools: RankPools, tmp_path: Path) -> None:
     counts = []
@@ -199,6 +227,24 @@ def test_a_kept_process_does_not_gather_threads_test_after_test(pools: RankPools
         pools.run(_target(make_groups_and_count_threads), {"folder": str(tmp_path)}, 4, timeout=30.0)
         counts.append(_notes(tmp_path, "threads", 4))
     assert counts[3] == counts[1], counts  # the first test may start torch's own pools
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_process_that_holds_threads_past_the_bound_is_replaced(tmp_path: Path) -> None:
+    pools = RankPools(spare_threads=2)  # a gloo group has more than 2 threads of its own
+    try:
+        first = _run(pools, note_pid, tmp_path)  # torch starts its own threads in a process's first test
+        kept = _run(pools, keep_a_group_alive, tmp_path)
+        after = _run(pools, note_pid, tmp_path)
+        reasons = [why for _, why in pools.statistics().replaced]
+    finally:
+        pools.close()
+    assert kept == first and not set(kept) & set(after)
+    assert len(reasons) == 2, reasons  # both ranks' processes
+    assert all(
+        re.fullmatch(r"it held \d+ threads more than it started with \(process groups .*\)", why)
+        for why in reasons
+    )
 
 
 def test_closing_ends_every_process(tmp_path: Path) -> None:
