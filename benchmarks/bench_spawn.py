@@ -15,7 +15,8 @@ the same tests; on the whole of ``--paths`` only ``sim`` and ``spawn`` run. With
 runs alternate (the order turns each round), so load from elsewhere falls on every case alike.
 
 Printed: per case the tests that ran (passed, failed, ...), the median wall time over the
-rounds, and its ratio to ``sim`` on the same tests. Not a test: nothing here asserts a speed.
+rounds, and its ratio to ``sim`` on the same tests; on stderr, each run's failed tests.
+Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _run(case: Case, paths: list[str], timeout: float) -> tuple[float, str]:
         "-q",
         "-p",
         "no:cacheprovider",
+        "-rf",
         *BACKENDS[case.backend],
     ]
     if case.subset:
@@ -73,6 +75,8 @@ def _run(case: Case, paths: list[str], timeout: float) -> tuple[float, str]:
     if done.returncode not in (0, 1) or not counts:
         tail = (done.stdout + done.stderr)[-3000:]
         raise SystemExit(f"{case.label}: pytest exited {done.returncode}:\n{tail}")
+    for line in re.findall(r"^FAILED .*$", done.stdout, re.M):
+        print(f"{case.label}: {line}", file=sys.stderr)
     return wall, counts[-1]
 
 
