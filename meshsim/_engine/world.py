@@ -35,6 +35,7 @@ from meshsim._base.errors import (
     MeshError,
     RankError,
     WorldAborted,
+    diagnosis,
     format_user_traceback,
 )
 from meshsim._base.waits import Waitable
@@ -48,6 +49,7 @@ from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
 from meshsim._observe.watch import looking_for_waste, open_watches
 from meshsim._process import cuda as _cuda
+from meshsim._process import modules as _modules
 from meshsim._process import patches as _patches
 from meshsim._process import rng as _rng
 from meshsim._process import state as _state
@@ -389,6 +391,9 @@ class World:
         """
         if self.started:
             raise RuntimeError("this world was started already: a World runs once, from start() to close()")
+        if not self.serialize:
+            how = "backend='gloo'" if self.backend == "gloo" else "serialize=False"
+            _modules.refuse_unserialized(f"a world with {how}")
         self.started = True
         saved = self._open()
         if only is None:
@@ -810,6 +815,7 @@ class World:
         try:
             if call.reseed:
                 _rng.enter_rank()  # draw afresh from the caller's newly seeded generators
+            _modules.import_pending()  # the modules declared per rank that it has not imported itself
             self.results[rank] = call.fn(*call.args, **call.kwargs)
             outcome = "finished: its function returned"
         except WorldAborted:
@@ -831,6 +837,7 @@ class World:
         self.kind.init_default_group(seat, self.store, self.timeout)
 
     def _rank_failed(self, rank: int, exc: BaseException) -> None:
+        exc = diagnosis(exc)  # a foreign group's error, not torch's logger failing to name it
         if isinstance(exc, (CollectiveMismatchError, DeadlockError)):
             self.scheduler.abort(exc)
             return

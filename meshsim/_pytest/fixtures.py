@@ -2,7 +2,8 @@
 
 The fixtures ``rank``, ``world_size``, ``distributed_mesh``, ``distributed_mesh_2d``,
 ``make_mesh``, ``ledger`` and ``ledger_snapshot`` are placeholders each rank
-resolves (:mod:`meshsim._modes.fixtures`). A user fixture that a distributed test
+resolves (:mod:`meshsim._modes.fixtures`). A user fixture (from conftest files, test modules,
+or ``-p`` plugins that are not installed packages) that a distributed test
 needs (in its signature, autouse, or through ``usefixtures``) runs on every rank
 when a torchrun process would set it up for itself: wider than function scope, or
 depending on a per-rank value. :mod:`meshsim._pytest.ranks` runs the body with them.
@@ -43,12 +44,13 @@ def pytest_fixture_setup(
 ) -> Generator[None, object, object]:
     """Set up the user fixtures a distributed test's ranks need on the ranks themselves.
 
-    A fixture from the user's own code (conftest files, their plugins, test
-    modules) that a distributed test requests runs on every rank, each building its
-    own value, when it is wider than function scope (what a torchrun process sets up
-    once: managers, meshes, groups) or depends on a per-rank value (``rank``,
-    ``distributed_mesh``, another such fixture). pytest keeps a placeholder that each
-    rank resolves; its scope ends on the ranks too. Other fixtures run once, here.
+    A fixture from the user's own code (conftest files, their plugins, ``-p`` plugins
+    that are not installed packages, test modules) that a distributed test requests
+    runs on every rank, each building its own value, when it is wider than function
+    scope (what a torchrun process sets up once: managers, meshes, groups) or depends
+    on a per-rank value (``rank``, ``distributed_mesh``, another such fixture). pytest
+    keeps a placeholder that each rank resolves; its scope ends on the ranks too. Other
+    fixtures run once, here.
     """
     placeholder = _on_ranks(state_of(request.config), fixturedef, request)
     if placeholder is None:
@@ -66,7 +68,7 @@ def pytest_fixture_setup(
 def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
     """The placeholder for a fixture that runs on the ranks, or None for one that runs here."""
     from meshsim._modes.fixtures import PerRank, recipe
-    from meshsim._pytest.simjob import is_user_code
+    from meshsim._pytest.simjob import is_user_code, plugin_files
 
     item = state.item
     if item is None or state.static is not None:
@@ -74,7 +76,7 @@ def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: p
     spec = spec_of(item)
     if spec is None or (spec.backend or state.backend) == "spawn":
         return None  # spawned ranks get pickled arguments: fixtures run here
-    if not is_user_code(_source_file(fixturedef.func), request.config.rootpath):
+    if not is_user_code(_source_file(fixturedef.func), request.config.rootpath, plugin_files(request.config)):
         return None
     values = {name: request.getfixturevalue(name) for name in fixturedef.argnames}
     if fixturedef.scope == "function" and not any(isinstance(v, PerRank) for v in values.values()):

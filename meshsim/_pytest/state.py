@@ -30,6 +30,7 @@ class PluginState:
         backend, world_size, timeout: ``--mesh-backend``, ``--world-size``, ``--mesh-timeout``.
         num_threads: the intra-op threads of each simulated rank (``MESHSIM_NUM_THREADS``).
         suite: ``"static"`` or ``"dynamic"``: the suite ``--multigpu-*`` selects (None: all tests).
+        unmarked: ``--mesh-unmarked``: ``"ranks"`` runs unmarked tests on the static suite's ranks.
         owns_suite_options: meshsim defined ``--multigpu-static`` / ``-dynamic`` (no conftest did).
         static: under torchrun, this process's rank of the job.
         job: ``--multigpu-static`` without torchrun: the session's simulated job.
@@ -45,6 +46,7 @@ class PluginState:
     timeout: float
     num_threads: int | str = 1
     suite: str | None = None
+    unmarked: str = "skip"
     owns_suite_options: bool = False
     static: StaticSession | None = None
     job: SimulatedJob | None = None

@@ -344,7 +344,10 @@ class Rendezvous:
                     f"rank {caller} created process group {name!r} with ranks {list(ranks)}, "
                     f"but another rank created it with ranks {list(group.ranks)}: every rank "
                     "must call new_group() (and build device meshes) with the same ranks "
-                    "in the same order"
+                    "in the same order. Where every rank runs the same code, the likely cause is "
+                    "state the rank threads share that each torchrun process has its own of (a "
+                    "parallel-state module's globals, set by the rank before): declare its module "
+                    "per rank with meshsim.per_rank_module(...) (pytest: --mesh-per-rank-modules)"
                 )
             return group
 
