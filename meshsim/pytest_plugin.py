@@ -6,6 +6,7 @@ meshsim has it. Each feature is a plugin of its own, in :mod:`meshsim._pytest`:
 - :mod:`~meshsim._pytest.options`: the options, the ``world`` / ``multigpu_static``
   markers, which tests ``--multigpu-static`` / ``--multigpu-dynamic`` select;
 - :mod:`~meshsim._pytest.ranks`: a distributed test's body on its ranks;
+- :mod:`~meshsim._pytest.spawn`: ``--mesh-backend=spawn``'s rank processes, kept or fresh (``--mesh-spawn``);
 - :mod:`~meshsim._pytest.fixtures`: per-rank fixtures, meshsim's and the user's;
 - :mod:`~meshsim._pytest.static`: the simulated static suite (one job for the session);
 - :mod:`~meshsim._pytest.torchrun_style`: torchrun-style suites on it (``--mesh-unmarked=ranks``,
@@ -41,6 +42,7 @@ PLUGINS = (
     "meshsim._pytest.traces",
     "meshsim._pytest.findings",
     "meshsim._pytest.ranks",
+    "meshsim._pytest.spawn",
     "meshsim._pytest.fixtures",
     "meshsim._pytest.options",
     "meshsim._pytest.cuda",

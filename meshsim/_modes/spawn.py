@@ -1,4 +1,8 @@
-"""The spawn mode: each rank of a test is a fresh process (gloo on CPU, NCCL with enough GPUs).
+"""The spawn mode: each rank of a test is a process of its own (gloo on CPU, NCCL with enough GPUs).
+
+This module runs a test on fresh processes (``--mesh-spawn=fresh``) and holds what
+a rank process does for one test (:func:`_run_rank`); :mod:`meshsim._modes.spawn_pool`
+keeps rank processes for the session and runs each test's ranks on them the same way.
 
 The parent (the pytest process) owns the rendezvous: it starts a TCPStore server
 on a socket it binds to 127.0.0.1 port 0, so the OS picks a free port and
@@ -254,7 +258,7 @@ def _run_rank(
     from meshsim._record.standing import standing_of
 
     # Every gloo (or NCCL) group of this rank, the test's own included, listens on
-    # loopback. Not undone: the process is this rank's alone and ends with it.
+    # loopback. Not undone: the process is this rank's alone (a kept one sets it once).
     os.environ.update(loopback_environment(nccl=True))
     delta = datetime.timedelta(seconds=timeout)
     store = TCPStore(LOOPBACK_HOST, port, world_size + 1, False, timeout=delta)
@@ -263,7 +267,7 @@ def _run_rank(
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=delta)
-    _emulate_cuda(world_size)
+    emulating = _emulate_cuda(world_size)
     recorder: DispatchRecorder | None = None
     try:
         test = target.load()
@@ -282,20 +286,33 @@ def _run_rank(
         _report(pipe, _ended(exc)._replace(standing=standing_of(rank, recorder, ended=True, error=exc)))
     finally:
         dist.destroy_process_group()
+        if emulating:
+            _stop_emulating()
 
 
-def _emulate_cuda(world_size: int) -> None:
+def _emulate_cuda(world_size: int) -> bool:
     """``--mesh-cuda`` (``MESHSIM_CUDA``, inherited from the pytest process) in this rank's process.
 
     Installed after the rank's own group is made, so that group is what the machine
-    really has (gloo here). Not undone: the process is this rank's alone.
+    really has (gloo here). Undone when the test ends (:func:`_stop_emulating`): a kept
+    rank process (:mod:`meshsim._modes.spawn_pool`) makes the next test's group on the
+    machine as it is. Returns whether it installed anything.
     """
     from meshsim._process import cuda
 
     spec = cuda.from_environment(world_size)
-    if spec is not None:
-        cuda.acquire(spec)
-        cuda.enter_rank()
+    if spec is None:
+        return False
+    cuda.acquire(spec)
+    cuda.enter_rank()
+    return True
+
+
+def _stop_emulating() -> None:
+    from meshsim._process import cuda
+
+    cuda.leave_rank()
+    cuda.release()
 
 
 def _ended(exc: BaseException) -> _Outcome:

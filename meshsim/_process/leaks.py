@@ -131,13 +131,17 @@ class LeakCheck:
             stacklevel=_caller_depth(),
         )
 
-    def _report_globals(self) -> None:
-        changed = [
+    def changed_globals(self) -> list[tuple[str, str, Any, Any]]:
+        """``(module, name, before, after)`` for each watched global whose value changed since the start."""
+        return [
             (module, key, before, after)
             for (module, namespace, key), before in zip(self._keys, self._before)
             # the identity test first: most globals are untouched, and a call per global costs
             if (after := namespace.get(key, _ABSENT)) is not before and not _still_equal(before, after)
         ]
+
+    def _report_globals(self) -> None:
+        changed = self.changed_globals()
         if not changed:
             return
         lines = [f"  {module}.{key}: {_show(old)} -> {_show(new)}" for module, key, old, new in changed]

@@ -95,7 +95,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=BACKENDS,
         default="sim",
         help="how world-marked tests get their ranks: sim (in-memory thread ranks, the default), "
-        "gloo (thread ranks on real gloo), spawn (one process per rank per test)",
+        "gloo (thread ranks on real gloo), spawn (one process per rank, kept for the session: --mesh-spawn)",
     )
     group.addoption(
         "--world-size",

@@ -129,10 +129,11 @@ def _run_ranks(
     backend = spec.backend or state.backend
     size = size_of(item, spec)
     if backend == "spawn":
-        from meshsim._modes.spawn import TestTarget, run_in_processes
+        from meshsim._modes.spawn import TestTarget
+        from meshsim._pytest.spawn import run_spawned
 
         target = TestTarget(item.module.__name__, str(item.path), test.__qualname__)
-        return run_in_processes(target, funcargs, size, timeout=state.timeout, record=record)
+        return run_spawned(item.config, target, funcargs, size, timeout=state.timeout, record=record)
     from meshsim._modes.thread_ranks import run_on_threads
 
     try:

@@ -71,13 +71,15 @@ def test_a_plain_weight_is_promoted(distributed_mesh, restore_mode, mode) -> Non
 def test_disabled_refuses_to_mix(distributed_mesh, restore_mode) -> None:
     layout = Layout("1d-uneven", distributed_mesh, None)
     x = layout.shard(layout.full(3))
-    ShardTensor.set_promotion_mode("disabled")
-    with pytest.raises(
-        RuntimeError, match=r"aten.mul.Tensor: got a plain torch.Tensor of shape \(3,\) mixed"
-    ):
-        x * torch.ones(3, device=distributed_mesh.device_type)
-    assert (x * 2.0).placements == x.placements  # scalars are not tensors to promote
-    assert (x * torch.tensor(2.0)).placements == x.placements  # nor are 0-dim tensors
+    # set and put back in the rank: on spawn, restore_mode runs in the pytest process, and the
+    # rank's kept process runs later tests
+    with ShardTensor.promotion_mode("disabled"):
+        with pytest.raises(
+            RuntimeError, match=r"aten.mul.Tensor: got a plain torch.Tensor of shape \(3,\) mixed"
+        ):
+            x * torch.ones(3, device=distributed_mesh.device_type)
+        assert (x * 2.0).placements == x.placements  # scalars are not tensors to promote
+        assert (x * torch.tensor(2.0)).placements == x.placements  # nor are 0-dim tensors
 
 
 @pytest.mark.world(4)
