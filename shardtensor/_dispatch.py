@@ -272,7 +272,7 @@ def dispatch(
         result = plan.op(*local_args, **kwargs)
         out = plan.outputs
         if result.shape != out.local_shape or result.dtype != out.dtype:
-            _wrong_layout(plan.op, result, out)
+            _wrong_layout(op, result, out)
         return _wrap_local(cls, result, out)
     return _run(plan, args, kwargs, cls)
 
@@ -347,8 +347,9 @@ def _localize(
 
 
 def _wrong_layout(op: Any, result: torch.Tensor, spec: ShardTensorSpec) -> None:
+    name = getattr(op, "__name__", "") or str(op)  # a C++ callable's repr names no op
     raise RuntimeError(
-        f"shardtensor: {op} gave a local result of shape {tuple(result.shape)} and dtype {result.dtype} "
+        f"shardtensor: {name} gave a local result of shape {tuple(result.shape)} and dtype {result.dtype} "
         f"on this rank, but the output layout {spec} expects {spec.local_shape} and {spec.dtype}; this "
         "is a bug in shardtensor's plan for this op, please report it with the input layouts"
     )

@@ -132,14 +132,24 @@ def is_dtensor_spec(obj: object) -> bool:
     return isinstance(obj, DTensorSpec)
 
 
-def schema_info(op: Any) -> tuple[int, frozenset[str] | None] | None:
-    """DTensor's ``(static_argnum, static_kwargkey)`` for ``op``: which non-tensor arguments
-    can change its sharding (None: all of them)."""
+def _runtime_schema_info(op: Any) -> Any:
+    """DTensor's RuntimeSchemaInfo for ``op``, wherever its propagator registered it (None: none).
+
+    torch 2.12+ keeps ops with a single-dim strategy (``_to_copy`` among them) in a second
+    table (read with getattr: older torch has only the first); checked on torch 2.13.
+    """
     prop = _propagator()
     info = prop.op_to_schema_info.get(op)
     if info is None:
         single = getattr(prop, "op_to_schema_info_for_single_dim_strategy", None)  # 2.12+
         info = single.get(op) if single is not None else None
+    return info
+
+
+def schema_info(op: Any) -> tuple[int, frozenset[str] | None] | None:
+    """DTensor's ``(static_argnum, static_kwargkey)`` for ``op``: which non-tensor arguments
+    can change its sharding (None: all of them)."""
+    info = _runtime_schema_info(op)
     if info is None:
         return None
     keys = info.static_kwargkey
@@ -155,8 +165,11 @@ def propagate(op: Any, args_schema: tuple[Any, ...], kwargs_schema: dict[str, An
     from torch.distributed.tensor._op_schema import OpSchema
 
     prop = _propagator()
-    info = prop.op_to_schema_info.get(op)
-    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=info)
+    # The schema info from either table: without it DTensor's cache key leaves out the
+    # static keyword arguments, so x.to(float32) and then x.to(bfloat16) on one layout
+    # met one entry and the second got the first's output dtype (its cache is per
+    # thread: seen where one thread runs many tests, torchrun and kept spawned ranks).
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=_runtime_schema_info(op))
     # Skip DTensor's cache where it could answer for another call: symbolic shapes are not
     # hashable, and its key leaves out non-static arguments, so ``x * 2`` and ``x * 2.0``
     # meet one entry and the second gets the first's output dtype (DTensor itself takes

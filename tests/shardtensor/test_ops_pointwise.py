@@ -185,3 +185,18 @@ def test_python_scalars_promote_by_their_own_type(distributed_mesh) -> None:
         expected = full * scalar
         assert y.dtype == y.to_local().dtype == expected.dtype, scalar
         torch.testing.assert_close(y.full_tensor(), expected)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("layout_id", LAYOUTS)
+def test_casts_to_each_dtype_in_turn_on_one_layout(distributed_mesh, distributed_mesh_2d, layout_id) -> None:
+    """One rank casting one layout to several dtypes in a row gets each dtype (one thread's
+    DTensor propagation cache once answered the second cast with the first's dtype)."""
+    layout = Layout(layout_id, distributed_mesh, distributed_mesh_2d)
+    full = layout.full(3, dtype=torch.float64)
+    x = layout.shard(full)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        y = x.to(dtype)
+        assert y.dtype == dtype and y.to_local().dtype == dtype
+        assert y.spec.shard_sizes == x.spec.shard_sizes
+        torch.testing.assert_close(y.full_tensor(), full.to(dtype))
