@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from meshsim._base.context import current
-from meshsim._process.cuda import api, rank, tensors
+from meshsim._process.cuda import api, compile, rank, tensors
 from meshsim._process.cuda.spec import ACTIVE, Spec, parse
 
 __all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release", "run_spawned"]
@@ -62,8 +62,9 @@ def _install(spec: Spec) -> None:
             undo.append(_set_attr(torch.cuda, name, value))
         rank.declare_per_rank()
         tensors.register_higher_order_ops()
-        for owner, name, value in tensors.patches():
+        for owner, name, value in (*tensors.patches(), *compile.patches(spec, emulating)):
             undo.append(_set_attr(owner, name, value))
+        undo.append(compile.forget_cached_answers())
         undo.append(_children_emulate(spec))
         if spec.storage.type == "cpu":
             undo.extend(_groups_on_the_storage())
@@ -238,6 +239,11 @@ def enter_rank() -> None:
     if stack is None:
         stack = _modes.stack = []
     stack.append(mode)
+
+
+def emulating() -> bool:
+    """Whether the calling thread emulates CUDA (between :func:`enter_rank` and :func:`leave_rank`)."""
+    return bool(getattr(_modes, "stack", None))
 
 
 def leave_rank() -> None:

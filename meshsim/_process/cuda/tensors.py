@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -13,6 +14,7 @@ import torch._guards
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshsim._process.cuda import hops
 from meshsim._process.cuda.rank import Rank, check_ordinal, now
 from meshsim._process.cuda.spec import ACTIVE, CPU, REAL_CUDA, Spec
 
@@ -133,6 +135,9 @@ def _first_tag(args: Any) -> torch.device | None:
 class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Every aten op of a thread that emulates CUDA: see the module docstring."""
 
+    # higher-order operators (flex attention, cond, while_loop...) come here too: see .hops
+    supports_higher_order_operators = True
+
     def __init__(self, spec: Spec) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.spec = spec
@@ -144,6 +149,10 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if hops.is_higher_order(func):
+            return hops.run(
+                self, func, args, kwargs or {}, first_tag=_first_tag, tag=_tag, kernel=_in_kernel, user_code=_out_of_kernel
+            )
         for kind in types:
             if kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 if issubclass(kind, _FakeTensor):
@@ -196,6 +205,27 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         elif pinned:
             setattr(out, _PINNED, True)
         return out
+
+
+@contextlib.contextmanager
+def _in_kernel() -> Iterator[None]:
+    """Code that runs as a kernel (a higher-order operator's own): tensors say their storage device."""
+    _kernel.depth = depth = getattr(_kernel, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _kernel.depth = depth - 1
+
+
+@contextlib.contextmanager
+def _out_of_kernel() -> Iterator[None]:
+    """User code a kernel calls back (a higher-order operator's function): tensors say their tag."""
+    depth = getattr(_kernel, "depth", 0)
+    _kernel.depth = 0
+    try:
+        yield
+    finally:
+        _kernel.depth = depth
 
 
 def _efficient_attention(
