@@ -80,7 +80,7 @@ def patches(spec: Spec, emulating: Callable[[], bool]) -> list[tuple[Any, str, A
 
 
 def _folded_as_torch_folds_them() -> list[tuple[Any, str, Any]]:
-    """Dynamo calls ``torch.cuda.is_available()``, ``current_device()``... while it traces, and keeps the answer.
+    """Dynamo calls ``torch.cuda.is_available()``, ``current_device()``... as it traces; keeps the answer.
 
     It knows them by identity (``constant_fold_functions``, torch 2.13-2.14): the
     stand-ins the emulation puts in their place (set before these patches) get the
@@ -102,7 +102,9 @@ def _folded_as_torch_folds_them() -> list[tuple[Any, str, Any]]:
     return out
 
 
-def _run_node_for(original: Callable[..., Any], spec: Spec, emulating: Callable[[], bool]) -> Callable[..., Any]:
+def _run_node_for(
+    original: Callable[..., Any], spec: Spec, emulating: Callable[[], bool]
+) -> Callable[..., Any]:
     """Dynamo's ``run_node`` (each traced call, on fake tensors) with ``cuda:k`` as the storage device.
 
     Dynamo sees an input's storage device (its fake tensors are made from the storage),
@@ -114,7 +116,10 @@ def _run_node_for(original: Callable[..., Any], spec: Spec, emulating: Callable[
     def run_node(tracer: Any, node: Any, args: Any, kwargs: Any, *rest: Any, **kw: Any) -> Any:
         if emulating():
             args, kwargs = _on_storage(args, spec.storage), _on_storage(kwargs, spec.storage)
-            node.args, node.kwargs = _on_storage(node.args, spec.storage), _on_storage(node.kwargs, spec.storage)
+            node.args, node.kwargs = (
+                _on_storage(node.args, spec.storage),
+                _on_storage(node.kwargs, spec.storage),
+            )
         return original(tracer, node, args, kwargs, *rest, **kw)
 
     return run_node

@@ -151,7 +151,14 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if hops.is_higher_order(func):
             return hops.run(
-                self, func, args, kwargs or {}, first_tag=_first_tag, tag=_tag, kernel=_in_kernel, user_code=_out_of_kernel
+                self,
+                func,
+                args,
+                kwargs or {},
+                first_tag=_first_tag,
+                tag=_tag,
+                kernel=_in_kernel,
+                user_code=_out_of_kernel,
             )
         for kind in types:
             if kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
