@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from meshsim._process.cuda import compile
+from meshsim._process.cuda import compiler
 from meshsim._process.cuda.rank import Generator, check_ordinal, device_count, index_of, now
 from meshsim._process.cuda.spec import ACTIVE, Spec
 from meshsim._process.cuda.tensors import device_of
@@ -290,7 +290,7 @@ def stand_ins(spec: Spec) -> dict[str, Any]:
         _generator_of(device).set_state(new_state)
 
     return {
-        "is_available": compile.is_available,
+        "is_available": compiler.is_available,
         "is_initialized": lambda: True,
         "_lazy_init": lambda: None,
         "init": lambda: None,

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from meshsim._base.context import current
-from meshsim._process.cuda import api, compile, rank, runtime, tensors
+from meshsim._process.cuda import api, compiler, rank, runtime, tensors
 from meshsim._process.cuda.spec import ACTIVE, Spec, parse
 
 __all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release", "run_spawned"]
@@ -64,11 +64,11 @@ def _install(spec: Spec) -> None:
         tensors.register_higher_order_ops()
         for owner, name, value in (
             *tensors.patches(),
-            *compile.patches(spec, emulating),
+            *compiler.patches(spec, emulating),
             *runtime.patches(spec),
         ):
             undo.append(_set_attr(owner, name, value))
-        undo.append(compile.forget_cached_answers())
+        undo.append(compiler.forget_cached_answers())
         undo.append(_children_emulate(spec))
         if spec.storage.type == "cpu":
             undo.extend(_groups_on_the_storage())
