@@ -29,7 +29,7 @@ import torch
 
 from meshsim._process.cuda.spec import REAL_CUDA, Spec
 
-__all__ = ["forget_cached_answers", "is_available", "patches"]
+__all__ = ["forget_cached_answers", "import_before_stand_ins", "is_available", "patches"]
 
 # Modules whose questions are the compiler's about the machine it compiles for (torch 2.13-2.14):
 # Inductor's code generation, AOTAutograd, triton's probes, Dynamo's device interfaces.
@@ -51,6 +51,18 @@ _CACHED = (
     ("torch.utils._triton", "triton_hash_with_backend"),
     ("torch._dynamo.trace_rules", "get_torch_obj_rule_map"),
 )
+
+
+def import_before_stand_ins() -> None:
+    """Import the compiler's modules that copy ``torch.cuda``'s functions when first imported.
+
+    Dynamo's constant-folding tables (``torch._dynamo.variables.torch``) and its CUDA device
+    interface (``CudaInterface.current_device = staticmethod(torch.cuda.current_device)``)
+    take the functions ``torch.cuda`` has at their import: imported first under emulation
+    they would keep the stand-ins of that one emulation for the life of the process.
+    """
+    import torch._dynamo.device_interface
+    import torch._dynamo.variables.torch  # noqa: F401
 
 
 def is_available() -> bool:
@@ -115,6 +127,9 @@ def _run_node_for(
 
     def run_node(tracer: Any, node: Any, args: Any, kwargs: Any, *rest: Any, **kw: Any) -> Any:
         if emulating():
+            if node.op == "call_method" and node.target == "cuda":  # x.cuda(): x.to(the storage)
+                node.target, node.args, node.kwargs = "to", (node.args[0], spec.storage), {}
+                args, kwargs = (args[0], spec.storage), {}
             args, kwargs = _on_storage(args, spec.storage), _on_storage(kwargs, spec.storage)
             node.args, node.kwargs = (
                 _on_storage(node.args, spec.storage),

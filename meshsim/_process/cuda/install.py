@@ -54,6 +54,7 @@ def release() -> None:
 
 def _install(spec: Spec) -> None:
     undo = ACTIVE.undo
+    compiler.import_before_stand_ins()
     try:
         if spec.storage.type == "cuda":
             ACTIVE.real_generators = tuple(torch.cuda.default_generators)

@@ -39,8 +39,10 @@ def device_of(tensor: torch.Tensor) -> torch.device:
     tag: torch.device | None = getattr(tensor, _TAG, None)
     if tag is not None and not getattr(_kernel, "depth", 0):
         # While torch.compile compiles (a frame's tracing context or a fake mode on), the
-        # compiler sees the storage it compiles for.
-        if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
+        # compiler sees the storage it compiles for; so does torch's own code that runs
+        # with the dispatch modes off (a higher-order operator's autograd making its
+        # graph's inputs: torch.empty_strided(..., device=t.device), torch 2.13-2.14).
+        if _get_dispatch_mode(_FAKE) is None and _tracing() is None and _mode_on():
             return tag
         return cast(torch.device, _REAL_DEVICE.__get__(tensor))
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
@@ -51,6 +53,18 @@ def device_of(tensor: torch.Tensor) -> torch.device:
             if isinstance(inner, torch.Tensor):
                 return device_of(inner)
     return cast(torch.device, _REAL_DEVICE.__get__(tensor))
+
+
+def _mode_on() -> bool:
+    """Whether the calling thread's dispatch modes include the emulation's (torch can turn them off)."""
+    for depth in range(_stack_len()):
+        if isinstance(_stack_at(depth), CudaMode):
+            return True
+    return False
+
+
+_stack_len = torch._C._len_torch_dispatch_stack
+_stack_at = torch._C._get_dispatch_stack_at
 
 
 def _tag(value: Any, device: torch.device) -> None:
@@ -299,7 +313,10 @@ def _dtensor_rng(mode: CudaMode, start: int, end: int, op: Any, *args: Any, **kw
     by ``start``, and leaves it at the old offset plus ``end``.
     """
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    device = device_of(first) if first is not None else torch.device("cuda", now().current)
+    tag = (
+        getattr(first, _TAG, None) if first is not None else None
+    )  # the mode is off: device_of says the storage
+    device = tag if tag is not None else torch.device("cuda", now().current)
     generator = now().generator(device.index or 0)
     old = generator.offset
     generator.offset = old + start
