@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -13,8 +12,9 @@ import torch._guards
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshsim._base.context import current
 from meshsim._process.cuda.rank import Rank, check_ordinal, now
-from meshsim._process.cuda.spec import ACTIVE, CPU, REAL_CUDA, Spec
+from meshsim._process.cuda.spec import CPU, IN_USE, REAL_CUDA, Spec, spec_here
 
 __all__ = ["CudaMode", "device_of", "patches"]
 
@@ -30,12 +30,14 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 _tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a frame
+_HERE = current()  # one object; its fields (``cuda``: the thread's CudaMode) are per thread
 
 
 def device_of(tensor: torch.Tensor) -> torch.device:
     """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
     tag: torch.device | None = getattr(tensor, _TAG, None)
-    if tag is not None and not getattr(_kernel, "depth", 0):
+    mode = _HERE.cuda
+    if tag is not None and (mode is None or not mode.depth):
         # While torch.compile compiles (a frame's tracing context or a fake mode on), the
         # compiler sees the storage it compiles for.
         if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
@@ -93,7 +95,6 @@ def cuda_device(device: Any) -> torch.device | None:
 # op -> (allocates new storage, draws random numbers, has a CUDA kernel and no CPU one)
 _op_facts: dict[Any, tuple[bool, bool, bool]] = {}
 _CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
-_kernel = threading.local()  # depth: how many ops this thread's mode is running now
 
 
 def _facts(func: Any) -> tuple[bool, bool, bool]:
@@ -131,11 +132,23 @@ def _first_tag(args: Any) -> torch.device | None:
 
 
 class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Every aten op of a thread that emulates CUDA: see the module docstring."""
+    """Every aten op of a thread that emulates CUDA; the thread's emulation (its rank context's ``cuda``).
 
-    def __init__(self, spec: Spec) -> None:
+    Attributes:
+        spec: what the thread emulates, sized for its world (``torch.cuda`` answers from it).
+        asked: the spec as asked for, before sizing: what a world the thread starts inherits.
+        depth: how many ops the mode runs now in this thread (inside one, kernels see storage).
+        nvtx_depth: the thread's open ``torch.cuda.nvtx`` ranges.
+        outer: the thread's emulation before this one (None: it did not emulate).
+    """
+
+    def __init__(self, spec: Spec, asked: Spec | None = None, outer: CudaMode | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.spec = spec
+        self.asked = asked if asked is not None else spec
+        self.depth = 0
+        self.nvtx_depth = 0
+        self.outer = outer
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -177,7 +190,8 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         allocates, seeded, cuda_only = _facts(func)
         # Python kernels the op runs (a torch.library custom op's) see the storage device,
         # as kernels do: what they make is tagged on the way out.
-        _kernel.depth = depth = getattr(_kernel, "depth", 0) + 1
+        depth = self.depth
+        self.depth = depth + 1
         try:
             if target is not None and func in _ON_CPU:
                 out = _ON_CPU[func](*args, **kwargs)  # a CUDA-only kernel, computed by the CPU's
@@ -188,7 +202,7 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 out = func(*args, **kwargs)
         finally:
-            _kernel.depth = depth - 1
+            self.depth = depth
         if target is not None:
             _tag(out, target)
             if allocates:
@@ -290,7 +304,7 @@ def _seeded(spec: Spec, func: Any, args: Any, kwargs: Any, device: torch.device)
     """Run a random op on the rank's generator of ``device``: its seed and offset pick the numbers."""
     gen = now().generator(device.index or 0)
     if spec.storage.type == "cuda":
-        real = ACTIVE.real_generators[spec.storage.index or 0]
+        real = IN_USE.real_generators[spec.storage.index or 0]
         saved = real.get_state()
         real.set_state(gen.get_state())
         try:
@@ -373,8 +387,9 @@ def _parse_to(
 
 
 def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    spec = ACTIVE.spec
-    assert spec is not None
+    spec = spec_here()
+    if spec is None:  # the emulation ended while a reference to this stand-in was kept
+        return cast(torch.Tensor, _REAL_TO(self, *args, **kwargs))
     device, dtype, _non_blocking, memory_format = _parse_to(self, args, kwargs)
     copy = bool(kwargs.get("copy", False))
     options: dict[str, Any] = {"copy": copy}
@@ -407,7 +422,8 @@ def _cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **
 
 
 def _cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if device_of(self).type == "cuda" and ACTIVE.spec is not None and ACTIVE.spec.storage.type == "cpu":
+    spec = spec_here()
+    if device_of(self).type == "cuda" and spec is not None and spec.storage.type == "cpu":
         out = _REAL_TO(self, CPU, copy=True)
         _untag(out)
         return cast(torch.Tensor, out)
@@ -479,6 +495,12 @@ def _autograd_grad_for(original: Callable[..., Any]) -> Callable[..., Any]:
     return grad
 
 
+def _storage() -> torch.device:
+    """Where the calling thread's CUDA tensors live."""
+    spec = spec_here()
+    return spec.storage if spec is not None else CPU
+
+
 def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.tensor`` and its kin, whose ``device=`` torch checks before any op runs."""
 
@@ -487,7 +509,7 @@ def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
         # pinned host memory needs a real GPU's allocator: without one, the tensor says it is pinned
         pinned = bool(kwargs.pop("pin_memory", False)) if REAL_CUDA["is_available"]() is False else False
         if target is not None:
-            kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
+            kwargs["device"] = _storage()
         out = original(*args, **kwargs)
         if target is not None:
             _tag(out, target)
@@ -565,7 +587,7 @@ def _make_wrapper_subclass_for(original: Any) -> Callable[..., Any]:
     def make_wrapper_subclass(cls: Any, *args: Any, **kwargs: Any) -> Any:
         target = cuda_device(kwargs.get("device"))
         if target is not None:
-            kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
+            kwargs["device"] = _storage()
         out = original(cls, *args, **kwargs)
         if target is not None:
             setattr(out, _TAG, target)
@@ -591,7 +613,7 @@ class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
 
     def __new__(cls, device: Any = "cpu") -> _UserGenerator:
         target = cuda_device(device)
-        storage = (ACTIVE.spec.storage if ACTIVE.spec is not None else CPU) if target is not None else device
+        storage = _storage() if target is not None else device
         return _GeneratorBase.__new__(cls, storage)  # type: ignore[call-arg,no-any-return]
 
     def __init__(self, device: Any = "cpu") -> None:
