@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -372,6 +373,19 @@ def test_each_world_sees_the_gpus_of_its_own_ranks_per_node():
     assert _run(body, 16) == [(16, f"cuda:{r}") for r in range(16)]
     # two nodes of 8 ranks: 8 GPUs each, as torchrun's LOCAL_RANK addresses them
     assert _run(body, 16, nnodes=2) == [(8, f"cuda:{r % 8}") for r in range(16)]
+
+
+def test_a_thread_a_rank_starts_sees_its_world_s_gpus():
+    """A thread no world entered (a DataLoader's pin-memory thread) answers with the newest emulation."""
+
+    def body():
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.cuda.device_count()))
+        thread.start()
+        thread.join(30)
+        return seen
+
+    assert _run(body, 12) == [[12]] * 12
 
 
 def test_a_world_started_inside_an_emulating_world_is_sized_for_itself():

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from meshsim._base.context import current
-from meshsim._process.cuda import api, rank, tensors
+from meshsim._process.cuda import api, graphs, rank, tensors
 from meshsim._process.cuda.spec import IN_USE, Spec, spec_here
 
 __all__ = ["changes", "emulated_here", "enter_rank", "leave_rank"]
@@ -33,7 +33,7 @@ def changes(spec: Spec) -> list[Callable[[], None]]:
             undo.append(_set_attr(torch.cuda, name, value))
         rank.declare_per_rank()
         tensors.register_higher_order_ops()
-        for owner, name, value in tensors.patches():
+        for owner, name, value in (*tensors.patches(), *graphs.patches()):
             undo.append(_set_attr(owner, name, value))
         undo.append(_children_emulate())
         if spec.storage.type == "cpu":

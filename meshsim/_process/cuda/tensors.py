@@ -139,6 +139,8 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         asked: the spec as asked for, before sizing: what a world the thread starts inherits.
         depth: how many ops the mode runs now in this thread (inside one, kernels see storage).
         nvtx_depth: the thread's open ``torch.cuda.nvtx`` ranges.
+        capture: the ops of the CUDA graph the thread captures now, recorded as they run
+            (None: no capture; see :mod:`meshsim._process.cuda.graphs`).
         outer: the thread's emulation before this one (None: it did not emulate).
     """
 
@@ -148,6 +150,7 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.asked = asked if asked is not None else spec
         self.depth = 0
         self.nvtx_depth = 0
+        self.capture: list[Any] | None = None
         self.outer = outer
 
     @classmethod
@@ -166,7 +169,7 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 # A subclass (DTensor, ShardTensor) handles the op; this mode stays on for
                 # the ops its handler runs on the inner tensors, which carry the tags.
                 return NotImplemented
-        kwargs = kwargs or {}
+        kwargs = given = kwargs or {}
         if func is _RECORD_STREAM:
             return None  # every kernel is done already: nothing to keep alive
         if func is _IS_PINNED:
@@ -192,6 +195,8 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # as kernels do: what they make is tagged on the way out.
         depth = self.depth
         self.depth = depth + 1
+        capture = self.capture
+        recorded = len(capture) if capture is not None else 0
         try:
             if target is not None and func in _ON_CPU:
                 out = _ON_CPU[func](*args, **kwargs)  # a CUDA-only kernel, computed by the CPU's
@@ -209,6 +214,9 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 _count(out, target)
         elif pinned:
             setattr(out, _PINNED, True)
+        if capture is not None and len(capture) == recorded:
+            # a CUDA graph's capture: replay runs the op again (or what it noted running, if anything)
+            capture.append((func, args, given, out))
         return out
 
 
