@@ -8,8 +8,18 @@ backend and the process state through: the few names they need are re-exported h
 from meshsim._engine.session import Session
 from meshsim._process import cuda
 from meshsim._process.handover import hold
+from meshsim._process.patches import install_cuda, uninstall_cuda
 from meshsim._record.ledger import Ledger
 from meshsim._record.sites import library_code
 from meshsim._sim.backend import restart_numbering
 
-__all__ = ["Ledger", "Session", "cuda", "hold", "library_code", "restart_numbering"]
+__all__ = [
+    "Ledger",
+    "Session",
+    "cuda",
+    "hold",
+    "install_cuda",
+    "library_code",
+    "restart_numbering",
+    "uninstall_cuda",
+]

@@ -27,6 +27,7 @@ from meshsim._base.errors import RankError, format_user_traceback
 from meshsim._modes.launch import die_with_parent
 
 if TYPE_CHECKING:
+    from meshsim._process.cuda import Spec
     from meshsim._record.ledger import Ledger
 
 __all__ = ["TestTarget", "run_in_processes"]
@@ -72,9 +73,18 @@ class TestTarget:
 
 
 def run_in_processes(
-    target: TestTarget, funcargs: dict[str, Any], world_size: int, *, timeout: float, record: bool = False
+    target: TestTarget,
+    funcargs: dict[str, Any],
+    world_size: int,
+    *,
+    timeout: float,
+    record: bool = False,
+    cuda: Spec | None = None,
 ) -> list[Ledger | None]:
     """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails.
+
+    ``cuda``: the CUDA emulation each rank's process installs (``--mesh-cuda``, sized for
+    the world), handed to it as an argument; None: off.
 
     Returns:
         each rank's ledger of the body, rank 0's first, sent back by its process:
@@ -89,7 +99,7 @@ def run_in_processes(
         parent_end, child_end = context.Pipe(duplex=False)
         child = context.Process(
             target=_child_main,
-            args=(target, funcargs, rank, world_size, store.port, timeout, record, child_end),
+            args=(target, funcargs, rank, world_size, store.port, timeout, record, child_end, cuda),
             name=f"meshsim-spawn-rank-{rank}",
             daemon=True,
         )
@@ -178,10 +188,11 @@ def _child_main(
     timeout: float,
     record: bool,
     pipe: Any,
+    cuda: Spec | None = None,
 ) -> None:
     die_with_parent()
     try:
-        _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe)
+        _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe, cuda)
     except BaseException as exc:  # failed before or after the body: still report it
         _report(pipe, _Outcome("error", format_user_traceback(exc), time.time()))
     finally:
@@ -209,6 +220,7 @@ def _run_rank(
     timeout: float,
     record: bool,
     pipe: Any,
+    cuda: Spec | None,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -228,7 +240,7 @@ def _run_rank(
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=delta)
-    _emulate_cuda(world_size)
+    _emulate_cuda(cuda)
     try:
         test = target.load()
         fixtures = RankFixtures()
@@ -246,18 +258,15 @@ def _run_rank(
         dist.destroy_process_group()
 
 
-def _emulate_cuda(world_size: int) -> None:
-    """``--mesh-cuda`` (``MESHSIM_CUDA``, inherited from the pytest process) in this rank's process.
+def _emulate_cuda(spec: Spec | None) -> None:
+    """``--mesh-cuda`` (the pytest process's, handed over as an argument) in this rank's process.
 
     Installed after the rank's own group is made, so that group is what the machine
     really has (gloo here). Not undone: the process is this rank's alone.
     """
-    from meshsim._process import cuda
+    from meshsim._process.children import emulate_in_process
 
-    spec = cuda.from_environment(world_size)
-    if spec is not None:
-        cuda.acquire(spec)
-        cuda.enter_rank()
+    emulate_in_process(spec)
 
 
 def _ended(exc: BaseException) -> _Outcome:

@@ -104,7 +104,8 @@ def _run_ranks(
         from meshsim._modes.spawn import TestTarget, run_in_processes
 
         target = TestTarget(item.module.__name__, str(item.path), test.__qualname__)
-        return run_in_processes(target, funcargs, size, timeout=state.timeout, record=record)
+        cuda = state.cuda.sized(size) if state.cuda is not None else None
+        return run_in_processes(target, funcargs, size, timeout=state.timeout, record=record, cuda=cuda)
     from meshsim._modes.thread_ranks import run_on_threads
 
     try:
@@ -116,6 +117,7 @@ def _run_ranks(
             timeout=state.timeout,
             num_threads=state.num_threads,
             record=record,
+            cuda=state.cuda,
         )
     except RankError as error:
         raise decided(error) from None

@@ -1,45 +1,51 @@
-"""The real CUDA runtime's entries torch's own Python reaches under emulation, answered by the emulation.
+"""The real CUDA runtime's entries that torch's own Python reaches under emulation, and who answers each.
 
 On PyPI's CUDA build of torch with no GPU (``pip install torch`` on most laptops; every
 torch 2.14+ wheel there) these functions exist and call the CUDA driver, which fails
 (``CUDA driver version is insufficient for CUDA runtime version``). On the CPU build
-they are stubs or absent, so the same program passed there (issue 38). Each entry
-below names who reaches it; the list was made by running the emulation's tests,
-``torch.compile`` (Dynamo, AOTAutograd, Inductor with its modes) and flex attention
-on torch 2.14.1 (CUDA 13 build, no GPU) and 2.13.0+cpu.
+they are stubs, so the same program passed there and failed on the CUDA build (issue 38).
 
-``torch.cuda``'s own stand-ins (device count, current device, properties, streams,
-memory, RNG) are in :mod:`.api`; these are the entries below them.
+The list was made by running the emulation's tests (``tests/meshsim/test_cuda.py``,
+``test_cuda_compile.py``, ``test_compile.py`` under ``--mesh-cuda=cpu``,
+``tests/plugin/test_cuda_option.py``), ``torch.compile`` with Inductor in its default,
+``reduce-overhead`` and ``max-autotune-no-cudagraphs`` modes, and flex attention forward
+and backward, on torch 2.14.1 (CUDA 13 build, no GPU, triton 3.8.0) and 2.13.0+cpu (with
+and without triton 3.8.0). A test checks that each ``torch.cuda`` name listed is a
+stand-in while emulated.
 """
 
 from __future__ import annotations
 
-from typing import Any
+__all__ = ["REACHED"]
 
-import torch
-
-from meshsim._process.cuda.spec import Spec
-
-__all__ = ["patches"]
-
-
-def _not_capturing() -> bool:
-    return False
-
-
-def patches(spec: Spec) -> list[tuple[Any, str, Any]]:
-    """Entries of the real runtime torch's Python calls while emulated, as (owner, name, value).
-
-    With CUDA storage (``cuda:N``) there is a real GPU to answer: nothing to change.
-    """
-    if spec.storage.type != "cpu":
-        return []
-    import torch.cuda.graphs as graphs
-
-    return [
-        # Dynamo's trace_frame asks before every compile (torch 2.14.1
-        # convert_frame.trace_frame), as do nn.functional's batch norm helpers
-        # (torch/nn/modules/_functions.py) and torch.cuda.memory: no capture is under way.
-        (torch.cuda, "is_current_stream_capturing", _not_capturing),
-        (graphs, "is_current_stream_capturing", _not_capturing),
-    ]
+REACHED: tuple[tuple[str, str, str], ...] = (
+    # (the entry, who reaches it, what answers it under emulation)
+    (
+        "torch.cuda.is_current_stream_capturing",
+        "Dynamo before each frame it compiles (convert_frame.trace_frame, torch 2.14.1); "
+        "batch norm's helpers; torch.cuda.memory",
+        "graphs.is_current_stream_capturing: the thread's capture",
+    ),
+    (
+        "torch.cuda.graphs.is_current_stream_capturing",
+        "torch.cuda's own modules by that name",
+        "graphs.is_current_stream_capturing",
+    ),
+    (
+        "torch.cuda.is_available",
+        "Inductor asks before its CUDA-only checks: cudagraph_utils.check_caching_allocator_for_cudagraphs "
+        "then calls torch._C._cuda_cudaCachingAllocator_is_enabled (reduce-overhead); "
+        "torch.utils._triton.has_triton then opens triton's CUDA driver",
+        "compiler.is_available: True to the program, the real answer to the compiler's modules",
+    ),
+    (
+        "torch.cuda.current_device",
+        "Dynamo's CudaInterface (bound when torch._dynamo.device_interface is first imported)",
+        "api's stand-in; the compiler's modules are imported before the stand-ins are set",
+    ),
+    (
+        "torch.cuda._lazy_init, get_device_properties, device_count, synchronize",
+        "torch.cuda's own helpers and torch.distributed (DeviceMesh, FSDP2)",
+        "api's stand-ins",
+    ),
+)
