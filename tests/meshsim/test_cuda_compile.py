@@ -52,6 +52,28 @@ def test_the_compiler_is_told_the_real_machine_and_the_program_the_emulated_one(
     assert _run(body) == [(True, False, False, False)]
 
 
+def _reached_names():
+    from meshsim._process.cuda.runtime import REACHED
+
+    for entry, _who, _answer in REACHED:
+        owner, _, names = entry.rpartition(".")
+        for name in names.split(", "):
+            yield owner if name == names else entry.split(".", 2)[0] + ".cuda", name
+
+
+@pytest.mark.parametrize(("owner", "name"), list(_reached_names()))
+def test_each_runtime_entry_torch_reaches_is_a_stand_in_while_emulated(owner, name):
+    import importlib
+
+    real = getattr(importlib.import_module(owner), name)
+
+    def body():
+        return getattr(importlib.import_module(owner), name) is not real
+
+    assert _run(body) == [True]
+    assert getattr(importlib.import_module(owner), name) is real  # put back
+
+
 def test_higher_order_operators_run_eagerly_on_the_emulated_device():
     from torch._higher_order_ops.cond import cond
     from torch._higher_order_ops.while_loop import while_loop
