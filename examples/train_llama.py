@@ -63,21 +63,18 @@ _block_masks = {}
 def flex_causal(q, k, v):
     """Causal attention by flex attention, its block mask made once per length and device.
 
-    Compiled (``--compile``) with AOTAutograd's eager backend, not Inductor: Inductor's
-    flex attention on the CPU is inference only in torch 2.13-2.14 ("torch.compile on CPU
-    only supports inference"), and the storage is the CPU under meshsim's CUDA emulation.
-    On a GPU, torch.compile(flex_attention) with Inductor is what makes it fast.
+    Not compiled, even with ``--compile``: on the CPU (meshsim's CUDA emulation stores
+    tensors there, and the compiler sees that storage) torch 2.13-2.14's flex attention
+    refuses to compile for training ("FlexAttention does not support backward on CPU"),
+    and Inductor's CPU flex attention is inference only. Eager flex attention (torch's
+    own kernel, run by the emulation on the CPU) trains. On a GPU, compile it.
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     key = (q.shape[-2], q.device)
     if key not in _block_masks:
         _block_masks[key] = create_block_mask(causal, None, None, key[0], key[0], device=q.device)
-    attend = _compiled_flex[0] if _compiled_flex else flex_attention
-    return attend(q, k, v, block_mask=_block_masks[key])
-
-
-_compiled_flex = []  # torch.compile(flex_attention) once --compile asks
+    return flex_attention(q, k, v, block_mask=_block_masks[key])
 
 
 class Rotary(nn.Module):
@@ -166,16 +163,11 @@ def compile_block(block):
     Not the whole block: on torch 2.13 a whole compiled block under tensor parallel fails in
     backward with tp alone (AttributeError: 'Tensor' object has no attribute '_local_tensor'),
     and with FSDP too its losses leave eager's from the second step. With ``--attention flex``,
-    the attention's rotary embedding (Inductor) and flex attention (on its own, see
-    :func:`flex_causal`); its projections run eagerly.
+    the MLP only: flex attention runs eagerly (see :func:`flex_causal`), and so does the rest of
+    the attention (compiling its rotary embedding alone failed under ``meshsim run`` on 8 ranks:
+    NameError '__compiled_fn_...' in Rotary.forward, the ranks' globals differ).
     """
-    if block.attn.attention == "flex":
-        block.attn.rotary.compile()
-        if not _compiled_flex:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            _compiled_flex.append(torch.compile(flex_attention, backend="aot_eager"))
-    else:
+    if block.attn.attention != "flex":
         block.attn.compile()
     block.mlp.compile()
 
@@ -257,7 +249,7 @@ def parse_args():
     if max(args.world, 1) % (args.tp * args.pp):
         p.error(f"world size {args.world} is not a multiple of tp {args.tp} x pp {args.pp}")
     if args.attention == "flex" and args.device != "cuda":
-        p.error("--attention flex trains on --device cuda only: torch 2.13-2.14's flex attention has no CPU backward")
+        p.error("--attention flex trains on --device cuda only: torch 2.13-2.14's flex refuses CPU backward")
     args.dp = max(args.world, 1) // (args.tp * args.pp)
     args.microbatches = args.microbatches or args.pp
     if args.heads % args.tp or args.layers < args.pp:
