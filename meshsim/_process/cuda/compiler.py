@@ -50,6 +50,7 @@ _CACHED = (
     ("torch.utils._triton", "triton_backend"),
     ("torch.utils._triton", "triton_hash_with_backend"),
     ("torch._dynamo.trace_rules", "get_torch_obj_rule_map"),
+    ("torch._dynamo.variables.torch", "TorchInGraphFunctionVariable._get_handlers"),
 )
 
 
@@ -164,7 +165,10 @@ def _forget() -> None:
     import importlib
 
     for module, name in _CACHED:
-        cached = getattr(importlib.import_module(module), name, None)  # not every name in every release
+        owner: Any = importlib.import_module(module)
+        for part in name.split("."):
+            owner = getattr(owner, part, None)  # not every name in every release
+        cached = owner
         clear = getattr(cached, "cache_clear", None)
         if clear is not None:
             clear()

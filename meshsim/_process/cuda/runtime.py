@@ -16,7 +16,7 @@ stand-in while emulated.
 
 from __future__ import annotations
 
-__all__ = ["REACHED"]
+__all__ = ["NOT_COVERED", "REACHED"]
 
 REACHED: tuple[tuple[str, str, str], ...] = (
     # (the entry, who reaches it, what answers it under emulation)
@@ -47,5 +47,16 @@ REACHED: tuple[tuple[str, str, str], ...] = (
         "torch.cuda._lazy_init, get_device_properties, device_count, synchronize",
         "torch.cuda's own helpers and torch.distributed (DeviceMesh, FSDP2)",
         "api's stand-ins",
+    ),
+)
+
+
+NOT_COVERED: tuple[tuple[str, str], ...] = (
+    # (the entry, who reaches it): found, not answered yet (issue 38)
+    (
+        "torch.accelerator.current_device_index, current_stream",
+        "Dynamo's stream tracking as it starts tracing a frame (variables/streams.py, torch 2.14.1), "
+        "seen in spawned ranks (tests/meshsim/test_compile.py on --mesh-backend=spawn); plain "
+        "stand-ins made Dynamo recurse on gloo thread ranks",
     ),
 )
