@@ -62,7 +62,7 @@ def run(
     args, kwargs = torch.utils._pytree.tree_map(lambda x: _under(mode, x, user_code), (tuple(args), kwargs))
     with kernel():  # the kernel's own ops see the storage device, as a kernel does
         if _DENSE in hop.py_kernels:
-            out = hop.dispatch(_DENSE, *args, **kwargs)
+            out = hop.dispatch(_DENSE, *args, **kwargs)  # type: ignore[no-untyped-call]
         else:
             out = hop(*args, **kwargs)  # the mode is off here: torch's next handler
     if target is not None:
