@@ -140,17 +140,28 @@ def test_cuda_named_inside_compiled_code_is_the_storage(backend):
     assert _run(body, 2) == [("cuda:0", [2.0] * 3), ("cuda:1", [3.0] * 3)]
 
 
-def _attention_block(x, wq, wk, wv, mask):
+def _attention_block(x, wq, wk, wv, mask, attend=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     b, s, d = x.shape
     q, k, v = ((x @ w).view(b, s, 2, d // 2).transpose(1, 2) for w in (wq, wk, wv))
-    return flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(b, s, d)
+    return (attend or flex_attention)(q, k, v, block_mask=mask).transpose(1, 2).reshape(b, s, d)
+
+
+@torch.compiler.disable
+def _eager_flex(q, k, v, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask)
 
 
 @pytest.mark.slow  # Dynamo and AOTAutograd, forward and backward
 def test_a_compiled_flex_attention_block_forward_and_backward_against_eager():
-    """Compiled with aot_eager: Inductor's CPU flex attention is inference only (torch 2.13-2.14)."""
+    """Flex attention in the graph for inference; for training it runs eagerly inside the compiled block.
+
+    Torch 2.13-2.14 refuses to compile flex attention's backward on the CPU, the device
+    the compiler sees ("FlexAttention does not support backward on CPU"; docs/cuda.md).
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     def body():
@@ -161,15 +172,21 @@ def test_a_compiled_flex_attention_block_forward_and_backward_against_eager():
         mask = create_block_mask(_causal, None, None, 128, 128, device="cuda")
         eager = _attention_block(x, *weights, mask)
         eager_grads = torch.autograd.grad(eager.square().sum(), weights)
-        compiled = torch.compile(_attention_block, backend="aot_eager")(x, *weights, mask)
-        grads = torch.autograd.grad(compiled.square().sum(), weights)
+        with torch.no_grad():
+            inference = torch.compile(_attention_block, backend="aot_eager", fullgraph=True)(
+                x, *weights, mask
+            )
+        trained = torch.compile(_attention_block, backend="aot_eager")(x, *weights, mask, _eager_flex)
+        grads = torch.autograd.grad(trained.square().sum(), weights)
         return (
-            [str(t.device) for t in (compiled, *grads)],
-            torch.allclose(compiled, eager, atol=1e-5),
+            [str(t.device) for t in (inference, trained, *grads)],
+            torch.allclose(inference, eager, atol=1e-5),
+            torch.allclose(trained, eager, atol=1e-5),
             all(torch.allclose(g, e, rtol=1e-4, atol=1e-5) for g, e in zip(grads, eager_grads)),
         )
 
-    assert _run(body, 2) == [(["cuda:0"] * 4, True, True), (["cuda:1"] * 4, True, True)]
+    here = [f"cuda:{rank}" for rank in range(2)]
+    assert _run(body, 2) == [([device] * 5, True, True, True) for device in here]
 
 
 @pytest.mark.slow  # Dynamo traces each operator into the graph (aot_eager)
