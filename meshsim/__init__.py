@@ -19,6 +19,7 @@ from meshsim._observe.cost import Schedule, critical_path, format_seconds
 from meshsim._observe.snapshot import SnapshotMismatchError, check_snapshot
 from meshsim._observe.topology import Topology, topology
 from meshsim._process.handover import per_rank
+from meshsim._process.modules import per_rank_module
 from meshsim._record.ledger import Collective, Ledger, record
 from meshsim._record.regions import region
 from meshsim._record.sites import library_code
@@ -40,6 +41,7 @@ __all__ = [
     "format_seconds",
     "library_code",
     "per_rank",
+    "per_rank_module",
     "record",
     "region",
     "run",

@@ -8,6 +8,8 @@ meshsim has it. Each feature is a plugin of its own, in :mod:`meshsim._pytest`:
 - :mod:`~meshsim._pytest.ranks`: a distributed test's body on its ranks;
 - :mod:`~meshsim._pytest.fixtures`: per-rank fixtures, meshsim's and the user's;
 - :mod:`~meshsim._pytest.static`: the simulated static suite (one job for the session);
+- :mod:`~meshsim._pytest.torchrun_style`: torchrun-style suites on it (``--mesh-unmarked=ranks``,
+  ``--mesh-per-rank-modules``);
 - :mod:`~meshsim._pytest.launch`: torchrun's ranks, and ``--mesh-backend=spawn``'s launch;
 - :mod:`~meshsim._pytest.snapshots`: ledger snapshots;
 - :mod:`~meshsim._pytest.cost`: each test's estimated GPU communication time (``--mesh-cost``);
@@ -32,6 +34,7 @@ __all__: list[str] = []
 # starts after the findings' and traces' settings are made.
 PLUGINS = (
     "meshsim._pytest.launch",
+    "meshsim._pytest.torchrun_style",
     "meshsim._pytest.static",
     "meshsim._pytest.snapshots",
     "meshsim._pytest.cost",

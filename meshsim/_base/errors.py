@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+import types
 from collections.abc import Mapping, Sequence
 
 from meshsim._base import MESHSIM_DIR
@@ -162,6 +163,44 @@ def _rebuild_deadlock(
     message: str, states: Mapping[int, str], timed_out: bool, ranks: tuple[int, ...]
 ) -> DeadlockError:
     return DeadlockError(message, states=states, timed_out=timed_out, ranks=ranks)
+
+
+class ForeignGroupError(RuntimeError):
+    """A rank issued a collective on a process group that another rank made (raised by the sim backend).
+
+    torch's c10d logger, catching it, fails to look the foreign group up and raises
+    its own error from the handler; the world reports this one, the cause
+    (:func:`diagnosis`).
+    """
+
+
+def diagnosis(exc: BaseException) -> BaseException:
+    """The :class:`ForeignGroupError` behind ``exc`` (in its context chain), else ``exc`` itself.
+
+    Its traceback is given the frames of ``exc``'s that led to the handler that caught it
+    (the user's line that issued the collective).
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):  # a few handlers deep at most: torch's logger wraps once
+        if seen is None:
+            return exc
+        if isinstance(seen, ForeignGroupError):
+            break
+        seen = seen.__context__
+    if seen is None or seen is exc or not isinstance(seen, ForeignGroupError):
+        return exc
+    inner = seen.__traceback__
+    outer: list[types.TracebackType] = []
+    tb = exc.__traceback__
+    while tb is not None and inner is not None and tb.tb_frame is not inner.tb_frame:
+        outer.append(tb)
+        tb = tb.tb_next
+    if tb is not None:  # found the handler's frame: the outer frames lead to it
+        for entry in reversed(outer):
+            inner = types.TracebackType(inner, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+        seen.__traceback__ = inner
+    seen.__suppress_context__ = True
+    return seen
 
 
 class StateLeakWarning(UserWarning):

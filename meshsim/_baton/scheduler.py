@@ -27,6 +27,7 @@ from typing import Protocol
 
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.errors import DeadlockError, WorldAborted
+from meshsim._base.tables import deadlock_text, why_text
 from meshsim._base.waits import Waitable
 from meshsim._baton.doorbell import Doorbell
 
@@ -507,13 +508,7 @@ class Scheduler:
                     return better
         states = self._states()
         culprits = self._culprits()
-        lines = [f"  rank {r}: {text}" for r, text in states.items()]
-        why = self._why(culprits)
-        message = (
-            f"deadlock: no rank of the {self.world_size}-rank world can make progress.\n"
-            + "\n".join(lines)
-            + (f"\n{why}" if why else "")
-        )
+        message = deadlock_text(self.world_size, states, self._why(culprits))
         return DeadlockError(message, states=states, ranks=culprits)
 
     def _culprits(self) -> tuple[int, ...]:
@@ -525,19 +520,8 @@ class Scheduler:
         return tuple(sorted(found))
 
     def _why(self, culprits: tuple[int, ...]) -> str:
-        if not culprits:
-            return ""
         done = [r for r in culprits if self._state[r] == _DONE]
-        elsewhere = [r for r in culprits if self._state[r] != _DONE]
-        parts = []
-        if done:
-            parts.append(f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}, which finished")
-        if elsewhere:
-            parts.append(
-                f"rank{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))}, "
-                "which wait in another call (see above)"
-            )
-        return "Ranks wait for " + " and for ".join(parts) + "."
+        return why_text(done, [r for r in culprits if self._state[r] != _DONE])
 
     def _stacks(self) -> dict[int, str]:
         """The stack of every rank thread that has not finished, formatted."""

@@ -18,18 +18,21 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from meshsim._base.context import Seat, current
+from meshsim._base.errors import MeshError
 from meshsim._baton.scheduler import Scheduler
 from meshsim._process import patches as _patches
 from meshsim._process import thread_worlds as _thread_worlds
 from meshsim._process.loopback import loopback_environment
 from meshsim._record.recorder import DispatchRecorder
+from meshsim._record.standing import standing_of, verdict, verdict_error
 from meshsim._sim.backend import BACKEND_NAME, default_process_group
 from meshsim._sim.store import SimStore
 
@@ -69,6 +72,16 @@ class Ranks:
     def let_go(self, exc: BaseException) -> None:
         """Drop what a failed or stopped rank's exception holds that keeps its groups open."""
 
+    def verdict(self, endings: Mapping[int, BaseException | None], world_size: int) -> MeshError | str | None:
+        """What a rank's failure means, from every rank's standing (real ranks only).
+
+        Returns:
+            the error that names the rank the others wait for (a peer that finished, went
+            elsewhere or entered a different collective); or the per-rank table, as a note
+            for the failing rank's own error; or None (nothing to add: sim checks calls itself).
+        """
+        return None
+
 
 class SimRanks(Ranks):
     """Simulated ranks on the in-memory backend."""
@@ -97,7 +110,9 @@ class GlooRanks(Ranks):
     serialize = False
 
     def __init__(self) -> None:
-        self._recorders: list[DispatchRecorder] = []  # when each rank last entered a collective
+        # each rank's recorder: when it last entered a collective, the call it is in
+        self._recorders: dict[int, DispatchRecorder] = {}
+        self._idents: dict[int, int] = {}  # each rank's thread, to see whether it is blocked in c10d
 
     def prepare(self) -> None:
         # Every gloo group the ranks make, the user's own included, listens on loopback;
@@ -131,7 +146,10 @@ class GlooRanks(Ranks):
 
     def run(self, rank_run: Callable[[], str]) -> str:
         recorder = DispatchRecorder()
-        self._recorders.append(recorder)
+        seat = current().seat
+        assert seat is not None  # a rank thread runs its part with its seat taken
+        self._recorders[seat.rank] = recorder
+        self._idents[seat.rank] = threading.get_ident()
         with recorder:
             return rank_run()
 
@@ -139,11 +157,56 @@ class GlooRanks(Ranks):
         # Ranks blocked in C++ cannot be interrupted, but the groups' timeout (the world's)
         # releases each collective that long after it began; one may begin after the stop
         # did (a rank finishing a slow first import).
-        began: float = max([start, *(recorder.entered for recorder in self._recorders)])
+        began: float = max([start, *(recorder.entered for recorder in list(self._recorders.values()))])
         return min(began, start + timeout) + timeout + _STOP_GRACE
 
     def let_go(self, exc: BaseException) -> None:
         _drop_frame_locals(exc)
+
+    def verdict(self, endings: Mapping[int, BaseException | None], world_size: int) -> MeshError | str | None:
+        blocked = _blocked_in_c10d(self._idents)
+        standings = [
+            standing_of(
+                rank,
+                self._recorders.get(rank),
+                ended=rank in endings,
+                error=endings.get(rank),
+                blocked=rank in blocked,
+            )
+            for rank in range(world_size)
+        ]
+        found = verdict(standings, world_size)
+        if found is None:
+            return None
+        if found.kind == "failed":
+            return found.message
+        return verdict_error(found, "gloo")
+
+
+# torch.distributed's modules that issue and wait on a collective's Work (c10d's
+# ``work.wait()``, funcol's ``wait_tensor``, c10d's logging of a failed call): a rank
+# thread with a frame in one of them is in its last call. Checked on torch 2.13 and 2.14.
+_WAITS_IN = tuple(
+    os.path.join(os.path.dirname(dist.__file__), name)
+    for name in ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py")
+)
+
+
+def _blocked_in_c10d(idents: Mapping[int, int]) -> set[int]:
+    """The ranks whose thread is inside torch.distributed's collectives (waiting on a Work)."""
+    frames = sys._current_frames()
+    try:
+        blocked = set()
+        for rank, ident in list(idents.items()):
+            frame = frames.get(ident)
+            while frame is not None:
+                if frame.f_code.co_filename in _WAITS_IN:
+                    blocked.add(rank)
+                    break
+                frame = frame.f_back
+        return blocked
+    finally:
+        frames.clear()  # it holds this frame: a cycle keeping every rank's frames (and groups) alive
 
 
 def _seat_rank() -> int | None:

@@ -35,6 +35,7 @@ from meshsim._base.errors import (
     MeshError,
     RankError,
     WorldAborted,
+    diagnosis,
     format_user_traceback,
 )
 from meshsim._base.waits import Waitable
@@ -43,11 +44,12 @@ from meshsim._engine import affinity as _affinity
 from meshsim._engine import threads as _threads
 from meshsim._engine.interrupt import interrupt
 from meshsim._engine.kinds import Ranks, ranks_for
-from meshsim._engine.outcomes import decided
+from meshsim._engine.outcomes import FAILED, decided, kind_of
 from meshsim._observe import findings as _findings
 from meshsim._observe import trace as _trace
 from meshsim._observe.watch import looking_for_waste, open_watches
 from meshsim._process import cuda as _cuda
+from meshsim._process import modules as _modules
 from meshsim._process import patches as _patches
 from meshsim._process import rng as _rng
 from meshsim._process import state as _state
@@ -348,6 +350,10 @@ class World:
         self.redundant = redundant
         self.results: list[Any] = [None] * world_size
         self.failures: list[tuple[int, BaseException, str]] = []
+        # how each rank's part of the current call ended (None: returned), for the report
+        # of a gloo world whose ranks disagree (kinds.GlooRanks.verdict)
+        self.endings: dict[int, BaseException | None] = {}
+        self._where_ranks_stood: str | None = None  # the first failure's note: every rank's state
         self.stuck: list[int] = []
         self.started = self.closed = False
         # set by start()
@@ -396,6 +402,9 @@ class World:
         """
         if self.started:
             raise RuntimeError("this world was started already: a World runs once, from start() to close()")
+        if not self.serialize:
+            how = "backend='gloo'" if self.backend == "gloo" else "serialize=False"
+            _modules.refuse_unserialized(f"a world with {how}")
         self.started = True
         saved = self._open()
         if only is None:
@@ -657,6 +666,7 @@ class World:
                 post.call = entry
             self._calls += len(entries)
         self.results = [None] * self.world_size
+        self.endings = {}
         self._idle.clear()
         for post in posts:
             self.scheduler.resume(post, reload=reload)
@@ -734,6 +744,8 @@ class World:
         rank, exc, text = self.failures[0]
         error = RankError(rank, self.world_size, text, own)
         error.__cause__ = exc
+        if self._where_ranks_stood is not None:
+            error.add_note(self._where_ranks_stood)
         return error
 
     # -- the ranks' side --------------------------------------------------------------
@@ -822,11 +834,14 @@ class World:
         try:
             if call.reseed:
                 _rng.enter_rank()  # draw afresh from the caller's newly seeded generators
+            _modules.import_pending()  # the modules declared per rank that it has not imported itself
             self.results[rank] = call.fn(*call.args, **call.kwargs)
+            self.endings[rank] = None  # before the rank's groups close: a peer's report may ask
             outcome = "finished: its function returned"
         except WorldAborted:
             raise
         except BaseException as exc:
+            self.endings[rank] = exc
             for failed in instruments.failed:
                 failed(rank, exc)
             self._rank_failed(rank, exc)
@@ -843,11 +858,19 @@ class World:
         self.kind.init_default_group(seat, self.store, self.timeout)
 
     def _rank_failed(self, rank: int, exc: BaseException) -> None:
+        exc = diagnosis(exc)  # a foreign group's error, not torch's logger failing to name it
         if isinstance(exc, (CollectiveMismatchError, DeadlockError)):
             self.scheduler.abort(exc)
             return
         if self.scheduler.error is not None:
             return  # a consequence of the failure that stopped the world (gloo peers see closed sockets)
+        # a skip or xfail decides the test (see outcomes): no verdict for it
+        found = self.kind.verdict(self.endings, self.world_size) if kind_of(exc) == FAILED else None
+        if found is not None and not isinstance(found, str):
+            # a gloo rank whose collective failed because a peer finished, failed or went elsewhere
+            self.scheduler.abort(found)
+            return
+        self._where_ranks_stood = found
         text = format_user_traceback(exc)
         self.failures.append((rank, exc, text))
         self.scheduler.abort(RankError(rank, self.world_size, text))

@@ -14,6 +14,7 @@ once per :class:`RankFixtures`, and its teardown when the rank's scope ends.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -138,14 +139,30 @@ class Recipe:
         if self.key in fixtures.values:
             return fixtures.values[self.key]
         kwargs = resolve(self.kwargs, fixtures)
-        if inspect.isgeneratorfunction(self.func):
-            generator = self.func(**kwargs)
-            value = next(generator)
-            fixtures.teardowns.append((self.key, self.scope, generator))
-        else:
-            value = self.func(**kwargs)
+        try:
+            if inspect.isgeneratorfunction(self.func):
+                generator = self.func(**kwargs)
+                value = next(generator)
+                fixtures.teardowns.append((self.key, self.scope, generator))
+            else:
+                value = self.func(**kwargs)
+        except BaseException as error:
+            _at_the_test(error)
+            raise
         fixtures.values[self.key] = value
         return value
+
+
+def _at_the_test(error: BaseException) -> None:
+    """A fixture's ``pytest.skip`` is reported at the test's line, as pytest reports it.
+
+    pytest's own fixture set-up marks the skip so (``Skipped._use_item_location``, a
+    private attribute, the same in pytest 8.0 to 9.2): the fixture's line would not
+    tell which test skipped.
+    """
+    outcomes = sys.modules.get("_pytest.outcomes")  # loaded if pytest is: nothing to mark otherwise
+    if outcomes is not None and isinstance(error, outcomes.Skipped):
+        error._use_item_location = True
 
 
 def recipe(name: str, func: Callable[..., Any], kwargs: dict[str, Any], scope: str, key: object) -> PerRank:

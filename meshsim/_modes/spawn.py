@@ -29,10 +29,17 @@ from meshsim._modes.launch import die_with_parent
 if TYPE_CHECKING:
     from meshsim._process.cuda import Spec
     from meshsim._record.ledger import Ledger
+    from meshsim._record.standing import Standing, Verdict
 
 __all__ = ["TestTarget", "run_in_processes"]
 
-_GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
+# seconds the other ranks get to report once one rank has failed: those in a collective with it
+# see its closed connection at once, unless they are still starting (a loaded machine)
+_GRACE = 15.0
+# seconds past the timeout a rank gets to report: its groups' collectives end by the timeout
+# counted from their start, after the process's own (importing torch: 15 s seen on a loaded
+# 2-core machine)
+_REPORT_GRACE = 30.0
 
 
 class _Outcome(NamedTuple):
@@ -43,6 +50,7 @@ class _Outcome(NamedTuple):
     text: str
     when: float
     ledger: Ledger | None = None
+    standing: Standing | None = None  # where the rank stood when it ended (issue 39's report)
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,7 @@ def run_in_processes(
 def _collect(children: list[Any], pipes: list[Any], timeout: float) -> dict[int, _Outcome]:
     """Each rank's outcome."""
     outcomes: dict[int, _Outcome] = {}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + _REPORT_GRACE
     waiting = dict(enumerate(pipes))
     while waiting and time.monotonic() < deadline:
         ready = multiprocessing.connection.wait(list(waiting.values()), timeout=0.1)
@@ -161,6 +169,7 @@ def _raise_first_failure(outcomes: dict[int, _Outcome], world_size: int) -> None
     collective, whose group closed (see :mod:`meshsim._engine.outcomes`).
     """
     from meshsim._engine.outcomes import outcome_exception
+    from meshsim._record.standing import verdict_error
 
     ended = sorted((outcome.when, rank) for rank, outcome in outcomes.items() if outcome.kind != "ok")
     if not ended:
@@ -169,7 +178,15 @@ def _raise_first_failure(outcomes: dict[int, _Outcome], world_size: int) -> None
     kind, text = outcomes[rank].kind, outcomes[rank].text
     if kind in _SKIPS:
         raise outcome_exception(kind, text, rank)
+    found = _verdict(outcomes, world_size)
+    if found is not None and found.kind != "failed":
+        raise verdict_error(found, "spawn")
+    if found is not None:  # ranks wait for one that raised: it, not the first to end, is reported
+        rank = found.culprits[0]
+        kind, text = outcomes[rank].kind, outcomes[rank].text
     error = RankError(rank, world_size, text if kind == "error" else f"{kind}: {text}")
+    if found is not None:
+        error.add_note(found.message)
     later = [f"rank {r}: {outcomes[r][0]}" for _, r in ended if r != rank]
     if later:
         error.add_note("after it, " + "; ".join(later))
@@ -177,6 +194,23 @@ def _raise_first_failure(outcomes: dict[int, _Outcome], world_size: int) -> None
 
 
 _SKIPS = ("skipped", "xfailed")
+
+
+def _verdict(outcomes: dict[int, _Outcome], world_size: int) -> Verdict | None:
+    """Who the others waited for, from the standing each rank sent (silent: a rank that sent none)."""
+    from meshsim._record.standing import FAILED, SILENT, Standing, verdict
+
+    standings = []
+    for rank in range(world_size):
+        outcome = outcomes[rank]
+        standing = outcome.standing
+        if standing is None and outcome.kind == "error":  # failed outside the body (set-up)
+            last = outcome.text.rstrip().splitlines()[-1:] or [""]
+            standing = Standing(rank, FAILED, last[0])
+        elif standing is None:
+            standing = Standing(rank, SILENT, outcome.text if outcome.kind in ("died", "timeout") else "")
+        standings.append(standing)
+    return verdict(standings, world_size)
 
 
 def _child_main(
@@ -229,6 +263,7 @@ def _run_rank(
     from meshsim._modes.fixtures import RankFixtures, resolve
     from meshsim._process.loopback import LOOPBACK_HOST, loopback_environment
     from meshsim._record.recorder import DispatchRecorder
+    from meshsim._record.standing import standing_of
 
     # Every gloo (or NCCL) group of this rank, the test's own included, listens on
     # loopback. Not undone: the process is this rank's alone and ends with it.
@@ -241,19 +276,22 @@ def _run_rank(
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=delta)
     _emulate_cuda(cuda)
+    recorder: DispatchRecorder | None = None
     try:
         test = target.load()
         fixtures = RankFixtures()
         if record:
             fixtures.open_ledger()
         kwargs = resolve(funcargs, fixtures)
-        with DispatchRecorder(), fixtures.recording():
+        recorder = DispatchRecorder()
+        with recorder, fixtures.recording():
             test(**kwargs)
-        _report(pipe, _Outcome("ok", "", time.time(), fixtures.ledger))
+        standing = standing_of(rank, recorder, ended=True)
+        _report(pipe, _Outcome("ok", "", time.time(), fixtures.ledger, standing))
     except BaseException as exc:
         # reported before the process group goes down: its closing sockets make the
         # other ranks fail too, and the parent must know who failed first
-        _report(pipe, _ended(exc))
+        _report(pipe, _ended(exc)._replace(standing=standing_of(rank, recorder, ended=True, error=exc)))
     finally:
         dist.destroy_process_group()
 

@@ -38,7 +38,18 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["PerRankState", "WorldSlots", "declare", "declare_accessor", "declared", "hold", "per_rank"]
+__all__ = [
+    "PerRankState",
+    "Slot",
+    "WorldSlots",
+    "add_slots",
+    "declare",
+    "declare_accessor",
+    "declared",
+    "declared_slots",
+    "hold",
+    "per_rank",
+]
 
 _ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
 
@@ -57,6 +68,10 @@ class _Slot:
     """
 
     __slots__ = ("after_set", "duplicate", "fresh", "label", "name", "owner", "pristine", "share")
+
+    # whether the caller's value is taken anew at each of a session's calls even when ranks
+    # keep theirs (a per-rank module: what the pytest process sets between tests is its own)
+    retake_caller = False
 
     def __init__(
         self,
@@ -117,10 +132,10 @@ class _Slot:
         """Whether the caller's value changed between a session's calls (ranks then take it)."""
         return now is not before
 
-    def joined_late(self, rank: int = 0) -> Any:
-        """The starting value of a rank (or the caller: rank 0's) when the slot joins a running world."""
+    def joined_late(self, rank: int | None = None) -> Any:
+        """The starting value of a rank (None: the caller, as rank 0) when the slot joins a running world."""
         if self.fresh is not None:
-            return self.fresh(rank) if _takes_rank(self.fresh) else self.fresh()
+            return self.fresh(rank or 0) if _takes_rank(self.fresh) else self.fresh()
         return self.copy(self.pristine)
 
     def copy(self, value: Any) -> Any:
@@ -194,7 +209,7 @@ class _Accessor(_Slot):
     def moved(self, before: Any, now: Any) -> bool:
         return now is not _ABSENT and self._moved(before, now)
 
-    def joined_late(self, rank: int = 0) -> Any:
+    def joined_late(self, rank: int | None = None) -> Any:
         return self.get()
 
 
@@ -268,12 +283,18 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
+Slot = _Slot  # the base of registry entries declared elsewhere in _process (per-rank modules)
+
+
 class PerRankState:
     """The handle :func:`per_rank` returns: ``remove()`` (or leaving a ``with`` block) undoes it."""
 
-    def __init__(self, slots: tuple[_Slot, ...]) -> None:
+    def __init__(
+        self, slots: tuple[_Slot, ...], on_remove: Callable[[tuple[_Slot, ...]], None] | None = None
+    ) -> None:
         self._slots = slots
         self._removed = False
+        self._on_remove = on_remove
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -285,6 +306,8 @@ class PerRankState:
         if not self._removed:
             self._removed = True
             _REGISTRY.remove(self._slots)
+            if self._on_remove is not None:
+                self._on_remove(self._slots)
 
     def __enter__(self) -> PerRankState:
         return self
@@ -352,6 +375,23 @@ def per_rank(target: object, *names: str, fresh: Callable[..., Any] | None = Non
     slots = tuple(_Slot(target, name, fresh) for name in names) if names else (_Slot(target, None, fresh),)
     _REGISTRY.add(slots)
     return PerRankState(slots)
+
+
+def add_slots(
+    slots: tuple[_Slot, ...], *, on_remove: Callable[[tuple[_Slot, ...]], None] | None = None
+) -> PerRankState:
+    """Add entries made elsewhere in ``_process`` (their own kind of slot); ``on_remove`` runs on removal.
+
+    Raises:
+        ValueError: one of them is declared already.
+    """
+    _REGISTRY.add(slots)
+    return PerRankState(slots, on_remove)
+
+
+def declared_slots() -> tuple[_Slot, ...]:
+    """Every entry of the registry now, in declaration order."""
+    return _REGISTRY.slots
 
 
 _CONTAINERS = (dict, list, set)  # what copy_container copies
@@ -589,6 +629,8 @@ class WorldSlots:
                 self.caller[i] = now
                 for values, start in zip(self.ranks, slot.starts(now, n)):
                     values[i] = start
+            elif slot.retake_caller:
+                self.caller[i] = now
         self._find_shared()
 
     def save(self, rank: int) -> None:
@@ -686,7 +728,7 @@ class WorldSlots:
         added = [s for s in current if id(s) not in known]
         kept = [known[id(s)] for s in current if id(s) in known]
         self.slots = [self.slots[i] for i in kept] + added
-        self.caller = [self.caller[i] for i in kept] + [s.joined_late() for s in added]
+        self.caller = [self.caller[i] for i in kept] + [s.joined_late(None) for s in added]
         for rank, values in enumerate(self.ranks):
             fills = [s.get() if values is saving else s.joined_late(rank) for s in added]
             values[:] = [values[i] for i in kept] + fills

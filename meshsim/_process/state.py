@@ -25,7 +25,7 @@ from torch.autograd import forward_ad
 from meshsim._process import rng as _rng
 from meshsim._process.handover import WorldSlots, declare_accessor
 
-__all__ = ["ProcessState", "rank_environment", "set_world_environment"]
+__all__ = ["ProcessState", "rank_environment", "set_world_environment", "torchrun_environment"]
 
 
 def _set_dtype(dtype: torch.dtype) -> None:
@@ -85,6 +85,14 @@ def set_world_environment(world_size: int, nnodes: int = 1) -> None:
     _set_environ(_world_env(world_size, nnodes))
     if "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ:
         _set_environ(_MASTER_ENV)
+
+
+def torchrun_environment(rank: int, world_size: int) -> dict[str, str]:
+    """What torchrun sets in rank ``rank``'s process of a one-node ``world_size``-rank job.
+
+    With ``MASTER_ADDR`` / ``MASTER_PORT`` (meshsim's, never connected to).
+    """
+    return dict((*_world_env(world_size), *rank_environment(rank, world_size), *_MASTER_ENV))
 
 
 @dataclass

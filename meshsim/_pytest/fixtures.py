@@ -2,7 +2,8 @@
 
 The fixtures ``rank``, ``world_size``, ``distributed_mesh``, ``distributed_mesh_2d``,
 ``make_mesh``, ``ledger`` and ``ledger_snapshot`` are placeholders each rank
-resolves (:mod:`meshsim._modes.fixtures`). A user fixture that a distributed test
+resolves (:mod:`meshsim._modes.fixtures`). A user fixture (from conftest files, test modules,
+or ``-p`` plugins that are not installed packages) that a distributed test
 needs (in its signature, autouse, or through ``usefixtures``) runs on every rank
 when a torchrun process would set it up for itself: wider than function scope, or
 depending on a per-rank value. :mod:`meshsim._pytest.ranks` runs the body with them.
@@ -13,13 +14,16 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from meshsim._pytest.monkeypatch import rank_monkeypatch
 from meshsim._pytest.options import spec_of
 from meshsim._pytest.state import PluginState, state_of
+
+if TYPE_CHECKING:
+    from meshsim._pytest.simjob import SimulatedJob
 
 __all__ = ["refuse_per_rank_values", "with_fixtures_for_ranks"]
 
@@ -43,30 +47,64 @@ def pytest_fixture_setup(
 ) -> Generator[None, object, object]:
     """Set up the user fixtures a distributed test's ranks need on the ranks themselves.
 
-    A fixture from the user's own code (conftest files, their plugins, test
-    modules) that a distributed test requests runs on every rank, each building its
-    own value, when it is wider than function scope (what a torchrun process sets up
-    once: managers, meshes, groups) or depends on a per-rank value (``rank``,
-    ``distributed_mesh``, another such fixture). pytest keeps a placeholder that each
-    rank resolves; its scope ends on the ranks too. Other fixtures run once, here.
+    A fixture from the user's own code (conftest files, their plugins, ``-p`` plugins
+    that are not installed packages, test modules) that a distributed test requests
+    runs on every rank, each building its own value, when it is wider than function
+    scope (what a torchrun process sets up once: managers, meshes, groups) or depends
+    on a per-rank value (``rank``, ``distributed_mesh``, another such fixture). pytest
+    keeps a placeholder that each rank resolves; its scope ends on the ranks too. Other
+    fixtures run once, here.
+
+    On the static suite's simulated job the ranks build it right away, where pytest
+    sets it up: a skip or failure there (an autouse ``skip_on_cpu(device)`` whose
+    ``device`` is per rank) ends the test's set-up before the fixtures pytest would
+    set up after it, as in each torchrun process. A world-marked test's world starts
+    with its body: its ranks build such fixtures then, in pytest's order.
     """
-    placeholder = _on_ranks(state_of(request.config), fixturedef, request)
+    state = state_of(request.config)
+    placeholder = _on_ranks(state, fixturedef, request)
     if placeholder is None:
         return (yield)
+    job = _job_of(state)
     original = fixturedef.func
-    # pytest calls fixturedef.func and caches what it returns for the fixture's scope
-    # (FixtureDef.func is an attribute in pytest 8 and 9, typed Final)
-    fixturedef.func = lambda **_: placeholder  # type: ignore[misc]
+
+    def set_up(**_: object) -> Any:
+        if job is not None:
+            _build_on_job(job, placeholder)
+        return placeholder
+
+    # pytest calls fixturedef.func, and caches what it returns, or raises, for the fixture's
+    # scope (FixtureDef.func is an attribute in pytest 8 and 9, typed Final)
+    fixturedef.func = set_up  # type: ignore[misc]
     try:
         return (yield)
     finally:
         fixturedef.func = original  # type: ignore[misc]
 
 
+def _job_of(state: PluginState) -> SimulatedJob | None:
+    """The simulated static job the current test runs on (None: a world of its own, or torchrun)."""
+    item = state.item
+    if state.job is None or item is None or item.get_closest_marker("world") is not None:
+        return None
+    return state.job
+
+
+def _build_on_job(job: SimulatedJob, placeholder: Any) -> None:
+    """Build ``placeholder`` on every rank of the job; a rank's skip, xfail or failure is raised here."""
+    from meshsim._base.errors import RankError
+    from meshsim._engine.outcomes import decided
+
+    try:
+        job.build_fixture(placeholder)
+    except RankError as error:
+        raise decided(error) from None
+
+
 def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
     """The placeholder for a fixture that runs on the ranks, or None for one that runs here."""
     from meshsim._modes.fixtures import PerRank, recipe
-    from meshsim._pytest.simjob import is_user_code
+    from meshsim._pytest.simjob import is_user_code, plugin_files
 
     item = state.item
     if item is None or state.static is not None:
@@ -74,7 +112,7 @@ def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: p
     spec = spec_of(item)
     if spec is None or (spec.backend or state.backend) == "spawn":
         return None  # spawned ranks get pickled arguments: fixtures run here
-    if not is_user_code(_source_file(fixturedef.func), request.config.rootpath):
+    if not is_user_code(_source_file(fixturedef.func), request.config.rootpath, plugin_files(request.config)):
         return None
     values = {name: request.getfixturevalue(name) for name in fixturedef.argnames}
     if fixturedef.scope == "function" and not any(isinstance(v, PerRank) for v in values.values()):
@@ -86,8 +124,9 @@ def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: p
     if "monkeypatch" in values:  # what a torchrun process patches is its own
         values["monkeypatch"] = rank_monkeypatch(item)
     key = object()  # this instance of the fixture (a parametrized one has several)
-    job, world = state.job, state.job.world() if state.job is not None else 0
-    if job is not None and item.get_closest_marker("world") is None:
+    job = _job_of(state)
+    if job is not None:
+        world = job.world()
         request.addfinalizer(lambda: job.finish_fixture(key, world))
     return recipe(fixturedef.argname, func, values, fixturedef.scope, key)
 

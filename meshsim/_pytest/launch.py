@@ -10,12 +10,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from meshsim._pytest.options import static_environment_or_none
+from meshsim._pytest.options import size_of, spec_of, static_environment_or_none
 from meshsim._pytest.state import state_of
 
-__all__: list[str] = []
+__all__ = ["unrun_line"]
+
+_UNRUN = pytest.StashKey["tuple[Counter[int], int]"]()  # sizes the skipped tests need; distributed tests
 
 
 def _xdist_workers(config: pytest.Config) -> bool:
@@ -105,3 +109,59 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if state.static is not None:
         state.static.stop()
         state.static = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under torchrun: count the selected distributed tests, and those this job's size cannot run."""
+    static = state_of(session.config).static
+    if static is None:
+        return
+    needs: Counter[int] = Counter()
+    distributed = 0
+    for item in session.items:
+        spec = spec_of(item)
+        if spec is None:
+            continue
+        distributed += 1
+        if item.get_closest_marker("world") is not None and size_of(item, spec) != static.world_size:
+            needs[size_of(item, spec)] += 1
+    session.config.stash[_UNRUN] = (needs, distributed)
+
+
+def unrun_line(needs: Counter[int], world_size: int) -> str:
+    """``3 tests need world 4; this job has 2 ranks: torchrun --nproc-per-node=4``."""
+    parts = [
+        f"{n} test{'s' if n > 1 else ''} need{'' if n > 1 else 's'} world {size}"
+        for size, n in sorted(needs.items())
+    ]
+    commands = " or ".join(f"torchrun --nproc-per-node={size}" for size in sorted(needs))
+    return f"{', '.join(parts)}; this job has {world_size} rank{'s' if world_size > 1 else ''}: {commands}"
+
+
+def _all_unrun(config: pytest.Config) -> bool:
+    needs, distributed = config.stash.get(_UNRUN, (Counter(), 0))
+    return distributed > 0 and sum(needs.values()) == distributed
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Under torchrun: one line naming the world sizes tests needed that this job does not have."""
+    static = state_of(config).static
+    needs, _ = config.stash.get(_UNRUN, (Counter(), 0))
+    if static is None or not needs:
+        return
+    line = f"meshsim: {unrun_line(needs, static.world_size)}"
+    if _all_unrun(config):
+        keep = " (--mesh-allow-unrun: exit status 0)" if config.getoption("mesh_allow_unrun") else ""
+        terminalreporter.write_line(f"{line}; no distributed test ran{keep}", red=not keep, yellow=bool(keep))
+    else:
+        terminalreporter.write_line(line, yellow=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under torchrun, a job that ran no distributed test because of its size fails (unless allowed)."""
+    config = session.config
+    if state_of(config).static is None or config.getoption("mesh_allow_unrun") or not _all_unrun(config):
+        return
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -8,6 +8,10 @@ Markers:
   ``--world-size`` ranks (default 4).
 - ``@pytest.mark.allow_redundant`` (see :mod:`meshsim._pytest.findings`).
 
+``--mesh-unmarked=ranks`` makes a ``--multigpu-static`` run torchrun-style: unmarked
+tests run on every rank too, as ``torchrun -m pytest`` runs them
+(:mod:`meshsim._pytest.torchrun_style`).
+
 ``--multigpu-static`` / ``--multigpu-dynamic`` are PhysicsNeMo's suite options: a
 conftest may define them itself (theirs does); meshsim defines them otherwise.
 """
@@ -19,11 +23,22 @@ from dataclasses import dataclass
 
 import pytest
 
-from meshsim._pytest.state import state_of
+from meshsim._pytest.state import PluginState, state_of
 
-__all__ = ["BACKENDS", "WorldSpec", "size_of", "spec_of", "static_environment_or_none"]
+__all__ = [
+    "BACKENDS",
+    "SIMULATED_RANK_ENVIRONMENT",
+    "UNMARKED",
+    "WorldSpec",
+    "per_rank_module_names",
+    "size_of",
+    "spec_of",
+    "static_environment_or_none",
+    "unmarked_of",
+]
 
 BACKENDS = ("sim", "gloo", "spawn")
+UNMARKED = ("skip", "ranks")
 _WORLD_PARAM = "_meshsim_world"
 _OWNS_SUITE_OPTIONS = pytest.StashKey[bool]()
 
@@ -101,6 +116,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="under --multigpu-static, which ranks print reports (default rank0)",
     )
     group.addoption(
+        "--mesh-allow-unrun",
+        action="store_true",
+        default=False,
+        help="under torchrun --multigpu-static, exit 0 when every selected distributed test was "
+        "skipped for needing another world size (a CI matrix that runs each size); by default "
+        "such a job fails",
+    )
+    group.addoption(
         "--mesh-redundant",
         choices=("off", "summary", "report", "error"),
         default="summary",
@@ -130,6 +153,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="linelist",
         default=[],
         help="modules (or folders) whose code is a library's, as with --mesh-library",
+    )
+    group.addoption(
+        "--mesh-unmarked",
+        choices=UNMARKED,
+        default=None,
+        help="under --multigpu-static, what unmarked tests do: skip (the default), or ranks: run on "
+        "every rank of the job, as under torchrun -m pytest, each rank importing the test tree's "
+        "modules itself (overrides the mesh_unmarked ini option)",
+    )
+    parser.addini(
+        "mesh_unmarked",
+        default="skip",
+        help="under --multigpu-static, what unmarked tests do: skip or ranks (see --mesh-unmarked)",
+    )
+    group.addoption(
+        "--mesh-per-rank-modules",
+        action="append",
+        default=[],
+        metavar="MODULES",
+        help="comma-separated module names (a name covers its submodules) that each simulated rank "
+        "imports for itself, as each torchrun process does: their module globals are per rank "
+        "(repeatable; adds to the mesh_per_rank_modules ini option)",
+    )
+    parser.addini(
+        "mesh_per_rank_modules",
+        type="linelist",
+        default=[],
+        help="modules each simulated rank imports for itself, as with --mesh-per-rank-modules",
     )
     group.addoption(
         "--mesh-snapshot-update",
@@ -188,6 +239,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if static and dynamic:
         raise pytest.UsageError("--multigpu-static and --multigpu-dynamic select different suites: give one")
     state.suite = "static" if static else "dynamic" if dynamic else None
+    state.unmarked = unmarked_of(config)
     libraries = [*config.getini("mesh_library"), *(config.getoption("mesh_library", None) or [])]
     if libraries:
         from meshsim._engine import library_code
@@ -203,9 +255,53 @@ def spec_of(item: pytest.Item) -> WorldSpec | None:
     marker = item.get_closest_marker("world")
     if marker is not None:
         return _world_spec(marker)
-    if item.get_closest_marker("multigpu_static") is not None:
-        return WorldSpec((state_of(item.config).world_size,), None)
+    state = state_of(item.config)
+    if item.get_closest_marker("multigpu_static") is not None or _runs_unmarked(state):
+        return WorldSpec((state.world_size,), None)
     return None
+
+
+def _runs_unmarked(state: PluginState) -> bool:
+    """Whether unmarked tests run on the ranks (``--multigpu-static --mesh-unmarked=ranks``)."""
+    return state.suite == "static" and state.unmarked == "ranks"
+
+
+def unmarked_of(config: pytest.Config, given: str | None = None) -> str:
+    """``--mesh-unmarked`` (or ``given``), else the ``mesh_unmarked`` ini option.
+
+    Raises:
+        pytest.UsageError: the ini option is neither ``skip`` nor ``ranks``.
+    """
+    given = given or config.getoption("mesh_unmarked", default=None)
+    value = given or str(config.getini("mesh_unmarked")).strip()
+    if value not in UNMARKED:
+        raise pytest.UsageError(f"mesh_unmarked must be one of {', '.join(UNMARKED)}, got {value!r}")
+    return value
+
+
+def per_rank_module_names(config: pytest.Config) -> list[str]:
+    """The modules ``--mesh-per-rank-modules`` and ``mesh_per_rank_modules`` name, in order, once each.
+
+    Raises:
+        pytest.UsageError: a name is not a dotted module name.
+    """
+    given = [
+        *config.getini("mesh_per_rank_modules"),
+        *(config.getoption("mesh_per_rank_modules", None) or []),
+    ]
+    names: list[str] = []
+    for entry in given:
+        for name in (part.strip() for part in str(entry).split(",")):
+            if not name:
+                continue
+            if not all(piece.isidentifier() for piece in name.split(".")):
+                raise pytest.UsageError(
+                    f"--mesh-per-rank-modules / mesh_per_rank_modules: {name!r} is not a module name "
+                    "(dotted identifiers, e.g. megatron.core.parallel_state)"
+                )
+            if name not in names:
+                names.append(name)
+    return names
 
 
 def _world_spec(marker: pytest.Mark) -> WorldSpec:
@@ -259,7 +355,10 @@ def _not_selected(item: pytest.Item) -> str | None:
     if state.suite == "static":
         spec = spec_of(item)
         if spec is None:
-            return "--multigpu-static runs only distributed tests (marked world or multigpu_static)"
+            return (
+                "--multigpu-static runs only distributed tests (marked world or multigpu_static); "
+                "--mesh-unmarked=ranks runs unmarked tests on every rank, as torchrun -m pytest does"
+            )
         if item.get_closest_marker("world") is None:
             return None  # multigpu_static: runs on whatever world the job has
         size = size_of(item, spec)
@@ -276,9 +375,16 @@ def _not_selected(item: pytest.Item) -> str | None:
     return None
 
 
+#: Set when the pytest process holds rank 0's torchrun environment for a simulated job
+#: (:mod:`meshsim._pytest.torchrun_style`): not torchrun's.
+SIMULATED_RANK_ENVIRONMENT = pytest.StashKey[bool]()
+
+
 def static_environment_or_none(config: pytest.Config) -> dict[str, int] | None:
     """torchrun's rank variables, when this run is ``--multigpu-static`` under torchrun."""
     if not config.getoption("multigpu_static", default=False):
+        return None
+    if config.stash.get(SIMULATED_RANK_ENVIRONMENT, False):
         return None
     from meshsim._modes.torchrun import static_environment
 

@@ -12,6 +12,7 @@ is the test's report.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -43,7 +44,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if state.static is not None:
         # every process gets every rank's ledger; rank 0 alone writes the snapshot file
         check = _ledger_checks(pyfuncitem, write=state.static.rank == 0)
-        state.static.run(test, funcargs, check=check)
+        try:
+            state.static.run(test, funcargs, check=check)
+        except BaseException as error:
+            _out_of_step(pyfuncitem, error)
+            raise
         return True
     check = _ledger_checks(pyfuncitem, write=True)
     try:
@@ -53,6 +58,29 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if check is not None:
         check([ledger for ledger in ledgers if ledger is not None])
     return True
+
+
+def _out_of_step(item: pytest.Function, error: BaseException) -> None:
+    """Under torchrun, after a failure that left the ranks' collectives out of step: stop the session.
+
+    A collective one rank entered and another never will stays in the job's process
+    group; the next test's calls would meet the wrong ones. When rank 0 (the one that
+    prints) never reported, this rank prints the report itself.
+    """
+    static = state_of(item.config).static
+    if static is None or not static.out_of_step:
+        return
+    item.session.shouldstop = (
+        f"meshsim: {item.nodeid} left the ranks' collectives out of step (see its report); "
+        "the job's process group cannot run more tests"
+    )
+    if static.rank != 0 and static.printer_silent and item.config.getoption("mesh_report") == "rank0":
+        sys.stderr.write(
+            f"meshsim: rank {static.rank}, as rank 0 did not report: {item.nodeid} failed\n{error}\n"
+        )
+        for note in getattr(error, "__notes__", []):
+            sys.stderr.write(f"{note}\n")
+        sys.stderr.flush()
 
 
 def _ledger_checks(item: pytest.Function, *, write: bool) -> Callable[[list[Any]], None] | None:
@@ -127,9 +155,12 @@ def _run_ranks(
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A meshsim error's report: the failing rank's own traceback, or the per-rank table."""
+    """A meshsim error's report: the failing rank's own traceback, or the per-rank table.
+
+    In the body, or in a fixture the static suite's ranks set up (:mod:`meshsim._pytest.fixtures`).
+    """
     report = yield
-    if call.excinfo is not None and call.when == "call":
+    if call.excinfo is not None and call.when in ("setup", "call"):
         text = _mesh_failure(call.excinfo.value)
         if text is not None:
             report.longrepr = text

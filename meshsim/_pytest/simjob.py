@@ -8,8 +8,8 @@ gives that to simulated ranks: one world (a :class:`meshsim._engine.session.Sess
 lives for the session, and what a torchrun process would do once, each rank does
 once, inside the rank, with the rank's state:
 
-- the per-process hooks of the user's own plugins (conftest files and the
-  plugins they register; code under the rootdir, not installed packages):
+- the per-process hooks of the user's own plugins (conftest files, the
+  plugins they register, and ``-p`` plugins; the user's code, not installed packages):
   ``pytest_configure`` and ``pytest_sessionstart`` run on every rank as the
   world's set-up, ``pytest_sessionfinish`` and ``pytest_unconfigure`` as its end.
   A plugin registered by such a hook is registered with pytest once (by the
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import sysconfig
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -42,9 +43,9 @@ import pytest
 from meshsim._base import MESHSIM_DIR
 from meshsim._base.context import current
 from meshsim._engine import Ledger, Session, restart_numbering
-from meshsim._modes.fixtures import RankFixtures, resolve
+from meshsim._modes.fixtures import PerRank, RankFixtures, resolve
 
-__all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code"]
+__all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code", "plugin_files"]
 
 SETUP_HOOKS = ("pytest_configure", "pytest_sessionstart")
 TEARDOWN_HOOKS = ("pytest_sessionfinish", "pytest_unconfigure")
@@ -55,8 +56,12 @@ _INSTALLED = tuple(
 )
 
 
-def is_user_code(path: str | os.PathLike[str] | None, rootpath: Path) -> bool:
-    """Whether ``path`` is the user's own code: under the rootdir, not meshsim, not an installed package."""
+def is_user_code(path: str | os.PathLike[str] | None, rootpath: Path, plugins: tuple[str, ...] = ()) -> bool:
+    """Whether ``path`` is the user's own code: not meshsim, not an installed package.
+
+    It must be under the rootdir or one of ``plugins`` (the files and folders of the
+    user's ``-p`` plugins, :func:`plugin_files`).
+    """
     if not path:
         return False
     full = os.path.abspath(path)
@@ -65,7 +70,37 @@ def is_user_code(path: str | os.PathLike[str] | None, rootpath: Path) -> bool:
     parts = Path(full).parts
     if "site-packages" in parts or "dist-packages" in parts:
         return False
-    return Path(full).is_relative_to(rootpath)
+    return Path(full).is_relative_to(rootpath) or any(
+        full == plugin or full.startswith(plugin + os.sep) for plugin in plugins
+    )
+
+
+_PLUGIN_FILES = pytest.StashKey[tuple[str, ...]]()
+
+
+def plugin_files(config: pytest.Config) -> tuple[str, ...]:
+    """Where the plugins named with ``-p`` live, when they are the user's own code (not installed).
+
+    Under torchrun every process runs them as it runs the rootdir's conftests: their
+    per-process hooks and the fixtures ranks need run on every rank. A plugin module is
+    its file; a package, its folder.
+    """
+    found = config.stash.get(_PLUGIN_FILES, None)
+    if found is not None:
+        return found
+    files: list[str] = []
+    for name in getattr(config.option, "plugins", None) or []:
+        module = sys.modules.get(name) if isinstance(name, str) and not name.startswith("no:") else None
+        path = getattr(module, "__file__", None)
+        if path is None:
+            continue
+        full = os.path.abspath(path)
+        if os.path.basename(full) == "__init__.py":
+            full = os.path.dirname(full)
+        if is_user_code(full, Path(full).parent):  # not meshsim, not installed
+            files.append(full)
+    config.stash[_PLUGIN_FILES] = result = tuple(files)
+    return result
 
 
 class SimulatedJob:
@@ -136,6 +171,14 @@ class SimulatedJob:
         """
         return self.session.call(self._body, test, funcargs, record, name=getattr(test, "__name__", None))
 
+    def build_fixture(self, placeholder: PerRank) -> None:
+        """Build a user fixture on every rank now, where pytest sets it up; raises as a test body's call.
+
+        A skip or failure there stops the test's set-up at that fixture, as in each
+        torchrun process: the fixtures pytest would set up after it are not reached.
+        """
+        self.session.call(self._build, placeholder, name=f"fixture {placeholder.name}")
+
     def finish_fixture(self, key: object, world: int) -> None:
         """Tear down a user fixture on the ranks that built it (if their world still runs)."""
         if self.session.running and world == self.session.worlds:
@@ -154,7 +197,7 @@ class SimulatedJob:
     def _route(self, hook_name: str, impls: Sequence[Any]) -> None:
         wrapped = {id(impl) for impl, _ in self._wrapped}
         for impl in impls:
-            if id(impl) in wrapped or not _is_user_plugin(impl.plugin, self.config.rootpath):
+            if id(impl) in wrapped or not _is_user_plugin(impl.plugin, self.config):
                 continue
             self._wrapped.append((impl, impl.function))
             impl.function = self._dispatcher(hook_name, impl.function)
@@ -220,6 +263,9 @@ class SimulatedJob:
         fixtures.finish(scope="function")
         return ledger
 
+    def _build(self, placeholder: PerRank) -> None:
+        placeholder.build(self._rank_fixtures())
+
     def _finish(self, key: object) -> None:
         self._rank_fixtures().finish(key)
 
@@ -234,5 +280,5 @@ def _after_hook(
     """Nothing to do after hooks (add_hookcall_monitoring needs both)."""
 
 
-def _is_user_plugin(plugin: object, rootpath: Path) -> bool:
-    return is_user_code(getattr(plugin, "__file__", None), rootpath)
+def _is_user_plugin(plugin: object, config: pytest.Config) -> bool:
+    return is_user_code(getattr(plugin, "__file__", None), config.rootpath, plugin_files(config))

@@ -33,6 +33,7 @@ class PluginState:
         cuda: ``--mesh-cuda`` resolved (a :class:`meshsim._process.cuda.Spec`; None: off),
             handed to every world the plugin starts (:mod:`meshsim._pytest.cuda`).
         suite: ``"static"`` or ``"dynamic"``: the suite ``--multigpu-*`` selects (None: all tests).
+        unmarked: ``--mesh-unmarked``: ``"ranks"`` runs unmarked tests on the static suite's ranks.
         owns_suite_options: meshsim defined ``--multigpu-static`` / ``-dynamic`` (no conftest did).
         static: under torchrun, this process's rank of the job.
         job: ``--multigpu-static`` without torchrun: the session's simulated job.
@@ -49,6 +50,7 @@ class PluginState:
     num_threads: int | str = 1
     cuda: Spec | None = None
     suite: str | None = None
+    unmarked: str = "skip"
     owns_suite_options: bool = False
     static: StaticSession | None = None
     job: SimulatedJob | None = None

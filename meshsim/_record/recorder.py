@@ -29,7 +29,7 @@ from meshsim._record import ledger as _ledger
 from meshsim._record import sites as _sites
 from meshsim._record.ledger import Collective
 
-__all__ = ["DispatchRecorder"]
+__all__ = ["DispatchRecorder", "Entered"]
 
 Tensor = torch.Tensor
 
@@ -257,6 +257,10 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self._ranks: dict[str, tuple[int, ...]] = {}
         self.entered = 0.0  # time.monotonic() when this rank last entered a collective
         self._outer: DispatchRecorder | None = None
+        # the call this rank is in (or that raised), and the last one that returned, for
+        # the per-rank report of a failed world (:mod:`meshsim._record.standing`)
+        self.pending: Entered | None = None
+        self.last: Entered | None = None
 
     def __enter__(self) -> DispatchRecorder:
         here = context.current()
@@ -299,12 +303,27 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             return NotImplemented
         where = _sites.call_where(2)
         self.entered = time.monotonic()
-        out = func(*args, **kwargs)
+        pending = self.pending = self._entered(handler(args, None), where)
+        out = func(*args, **kwargs)  # raising, it leaves ``pending`` set: the call it failed in
+        self.pending = None
+        self.last = pending
         seen = handler(args, kwargs.get("out", out))
         for one in seen if isinstance(seen, list) else [seen]:
             one.functional = func.namespace == "_c10d_functional"
             self._note(one, where)
         return out
+
+    def _entered(self, seen: _Seen | list[_Seen], where: tuple[str, str | None]) -> Entered:
+        """The call being entered, as the report names it (its outputs may not exist yet)."""
+        first = seen[0] if isinstance(seen, list) else seen
+        name, ranks, _ = self._group(first.group)
+        key = f"{name}/{first.op}/{first.peer}" if first.op in ("send", "recv") else name
+        return Entered(_call_text(first), name, ranks, self._seq.get(key, 0), where[0])
+
+    def counts(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Each group's name: its global ranks and the collectives this rank issued on it (no send/recv)."""
+        seq = dict(self._seq)  # one C-level copy: another rank thread may read while this one records
+        return {name: (ranks, seq[name]) for name, ranks in dict(self._ranks).items() if name in seq}
 
     def _note(self, seen: _Seen, where: tuple[str, str | None]) -> None:
         name, ranks, me = self._group(seen.group)
@@ -343,6 +362,46 @@ class DispatchRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if ranks is None:
             ranks = self._ranks[name] = tuple(dist.get_process_group_ranks(pg))
         return name, ranks, pg.rank()
+
+
+@dataclass(frozen=True)
+class Entered:
+    """A collective a rank entered, as a per-rank report shows it.
+
+    Attributes:
+        text: the call, e.g. ``all_reduce(float32[4], SUM)``.
+        group: the group's name (the same on every rank).
+        ranks: the group's global ranks.
+        seq: the call's position in the group's sequence (0 is the first).
+        site: ``file.py:LINE in function`` of the user's call.
+    """
+
+    text: str
+    group: str
+    ranks: tuple[int, ...]
+    seq: int
+    site: str
+
+    def where(self) -> str:
+        return f"call #{self.seq} of group {list(self.ranks)}"
+
+
+def _desc(tensors: Sequence[Tensor | None] | None) -> str:
+    return ", ".join(
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors or () if t is not None
+    )
+
+
+def _call_text(seen: _Seen) -> str:
+    """``all_reduce(float32[4], SUM)``, as the simulated backend's tables write a call."""
+    parts = [_desc(seen.tensors_in) or _desc(seen.tensors_out)]
+    if seen.reduce_op is not None:
+        parts.append(seen.reduce_op)
+    if seen.root is not None:
+        parts.append(f"root={seen.root}")
+    if seen.peer is not None:
+        parts.append(f"peer={seen.peer}")
+    return f"{seen.api}({', '.join(p for p in parts if p)})"
 
 
 def _refusing_subclasses() -> tuple[type, ...]:

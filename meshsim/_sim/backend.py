@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -206,6 +207,7 @@ class SimProcessGroup(dist.ProcessGroup):
         # ledgers, held here, spare a thread-local lookup on every collective.
         self._ledgers = current().ledgers
         self._dispatcher_twin: Any = None  # made when a dispatch mode first watches a call
+        self._thread = threading.get_ident()  # the rank thread that made it: the one that may use it
 
     def _twin(self) -> Any:
         if self._dispatcher_twin is None:
@@ -250,6 +252,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _issue(self, payload: Description, opts: Any) -> dist.Work:
         """Record ``payload`` in the open ledgers, meet the other ranks, and return the Work."""
+        if threading.get_ident() != self._thread:  # one C call: the exact check only when it differs
+            _checks.own_group(self, self._context, payload.api)
         # The rank stays inside this call until every rank has arrived, which is whenever
         # an error needs the site: keep the adapter's frame, format it only then.
         frame = sys._getframe(1)
@@ -455,6 +459,8 @@ class SimProcessGroup(dist.ProcessGroup):
     @_observable("send")
     def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         tensors = list(tensors)
+        if threading.get_ident() != self._thread:
+            _checks.own_group(self, self._context, "send")
         _checks.peer(dstRank, self._group_rank, self._size, self._group.ranks, "send")
         self._p2p.send(tensors, dstRank, tag, _sites.call_where(2))
         return completed(tensors)
@@ -469,5 +475,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._receive(list(tensors), None, tag)
 
     def _receive(self, tensors: list[Tensor], src: int | None, tag: int) -> dist.Work:
+        if threading.get_ident() != self._thread:
+            _checks.own_group(self, self._context, "recv")
         recv = self._p2p.receive(tensors, src, tag, _sites.call_where(3))
         return ReceiveWork(self._context.scheduler, self._context.rank, recv)

@@ -7,14 +7,18 @@ each description's ``compat`` (:mod:`meshsim._sim.collectives`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from meshsim._base.context import current
+from meshsim._base.errors import ForeignGroupError
 from meshsim._sim import movement as mv
 from meshsim._sim.collectives import desc
 
-__all__ = ["lists", "peer", "reducible", "root", "rooted", "sized", "splits"]
+__all__ = ["lists", "own_group", "peer", "reducible", "root", "rooted", "sized", "splits"]
 
 Tensor = torch.Tensor
 
@@ -111,3 +115,55 @@ def splits(tensor: Tensor, given: Sequence[int] | None, size: int, name: str) ->
             f"numbers summing to the {name}'s dim 0 ({dim0})"
         )
     return resolved
+
+
+def own_group(group: Any, maker: Any, api: str) -> None:
+    """The calling rank made ``group`` itself (``maker`` is the seat of the rank that did).
+
+    A rank thread that issues a collective on another rank's handle would join the
+    rendezvous as that rank and wait for ever; this names the cause at once. Other
+    threads (a rank's own helper threads have no seat) are left alone.
+
+    Raises:
+        ForeignGroupError: naming the group, the rank that made it, the caller, and the module
+            global that holds it, if one does.
+    """
+    seat = current().seat
+    if seat is None or seat is maker:
+        return
+    ranks = list(group._group.ranks)
+    made = f"rank {maker.rank}" + (
+        "" if maker.rendezvous is seat.rendezvous else " of a world that has ended"
+    )
+    member = (
+        f"its ranks {ranks} do not include rank {seat.rank}"
+        if seat.rank not in ranks
+        else f"rank {seat.rank} must use the handle it made itself"
+    )
+    held = _held_by(group)
+    where = (
+        f" It is {held}: a module global every rank thread shares, last set by rank {maker.rank}."
+        if held
+        else ""
+    )
+    module = held.rsplit(".", 1)[0] if held else "the.module"
+    raise ForeignGroupError(
+        f"rank {seat.rank} called {api} on a process group that {made} created "
+        f"(group {group._group.name!r}, {group!r}); {member}.{where} Each torchrun process has its own "
+        "module globals; rank threads share them unless declared per rank. Likely cause: a module "
+        "global (or class attribute) that holds process groups is shared by the simulated ranks. Declare "
+        f"it per rank: meshsim.per_rank_module({module!r}) (pytest: --mesh-per-rank-modules={module}) "
+        "or meshsim.per_rank(owner, 'NAME')."
+    )
+
+
+def _held_by(obj: object) -> str | None:
+    """``module.NAME`` of the first module global that is ``obj`` (only when reporting an error)."""
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            if value is obj:
+                return f"{name}.{key}"
+    return None

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from meshsim._base.errors import CollectiveMismatchError, WorldAborted
+from meshsim._base.tables import mismatch_text, waiting_text
 from meshsim._base.waits import Blocking, Waitable
 from meshsim._record.sites import site_of
 from meshsim._sim.collectives import Description
@@ -45,11 +46,6 @@ if TYPE_CHECKING:
     from meshsim._record.ledger import Collective, Ledger
 
 __all__ = ["NONE", "Call", "GroupState", "Instrument", "Instruments", "Rendezvous", "Slot"]
-
-_ADVICE = (
-    "Every rank of a group must issue the same collectives on it, in the same order, "
-    "with matching dtypes, shapes, reduce ops and roots."
-)
 
 
 @dataclass(eq=False, slots=True)
@@ -182,11 +178,9 @@ class Slot(Waitable):
 
     def describe(self, rank: int) -> str:
         call = self.calls[self.group.ranks.index(rank)]
-        site = f" at {call.site}" if call is not None else ""
-        missing = self.missing()
-        waits = f"; waiting for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}" if missing else ""
-        text = call.text if call is not None else "?"
-        return f"waiting in {text}, {self._where()}{site}{waits}"
+        if call is None:
+            return waiting_text("?", self._where(), None, self.missing())
+        return waiting_text(call.text, self._where(), call.site, self.missing())
 
     def missing(self) -> tuple[int, ...]:
         return tuple(r for r, c in zip(self.group.ranks, self.calls) if c is None)
@@ -206,29 +200,12 @@ class Slot(Waitable):
             odd = tuple(ranks[r] for r in culprits(problems))
         else:
             odd = _odd_ones(self.calls, ranks)
-        width = max((len(t) for t in texts.values()), default=0)
-        rows = []
-        for i, call in enumerate(self.calls):
-            rank = ranks[i]
-            if call is None:
-                rows.append(f"  rank {rank}: (has not reached this call)")
-                continue
-            mark = "   <- differs" if rank in odd else ""
-            rows.append(f"  rank {rank}: {call.text.ljust(width)}  at {call.site}{mark}")
-        details = "".join(f"\n  - {_global(p.text, ranks)}" for p in problems)
-        if odd:
-            plural = len(odd) > 1
-            differs = (
-                f"Rank{'s' if plural else ''} {_ranks(odd)} differ{'' if plural else 's'} from the others. "
-            )
-        else:
-            differs = ""
-        message = (
-            f"{headline} in {self._where()}:\n"
-            + "\n".join(rows)
-            + (f"\nWhat does not fit:{details}" if details else "")
-            + f"\n{differs}{_ADVICE}"
-        )
+        calls = [
+            (ranks[i], c.text, c.site) if c is not None else (ranks[i], None, None)
+            for i, c in enumerate(self.calls)
+        ]
+        details = [_global(p.text, ranks) for p in problems]
+        message = mismatch_text(headline, self._where(), calls, odd, details)
         return CollectiveMismatchError(message, group=ranks, seq=self.seq, ranks=odd, calls=texts)
 
 
@@ -247,10 +224,6 @@ def _odd_ones(calls: Sequence[Call | None], ranks: tuple[int, ...]) -> tuple[int
         return ()
     majority = max(groups.values(), key=lambda members: (len(members), -members[0]))
     return tuple(r for members in groups.values() if members is not majority for r in members)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks))
 
 
 # -- instruments: what the rendezvous tells its observers -----------------------------------
@@ -344,7 +317,10 @@ class Rendezvous:
                     f"rank {caller} created process group {name!r} with ranks {list(ranks)}, "
                     f"but another rank created it with ranks {list(group.ranks)}: every rank "
                     "must call new_group() (and build device meshes) with the same ranks "
-                    "in the same order"
+                    "in the same order. Where every rank runs the same code, the likely cause is "
+                    "state the rank threads share that each torchrun process has its own of (a "
+                    "parallel-state module's globals, set by the rank before): declare its module "
+                    "per rank with meshsim.per_rank_module(...) (pytest: --mesh-per-rank-modules)"
                 )
             return group
 

@@ -418,7 +418,7 @@ def test_a_gloo_rank_that_enters_its_collective_after_the_stop_began_is_waited_f
     finally:
         for rank in (0, 1):
             sys.modules.pop(f"meshsim_late_import_{rank}", None)
-    assert (info.value.rank, getattr(info.value, "__notes__", [])) == (2, [])
+    assert (info.value.rank, _left_behind(info.value)) == (2, [])
 
 
 class _SlowFinalizer:
@@ -461,7 +461,7 @@ def test_an_interrupt_swallowed_by_a_finalizer_is_raised_again() -> None:
     for _ in range(5):  # each interrupt lands in __del__ about half the time
         with pytest.raises(meshsim.RankError, match="rank 1 fails") as info:
             meshsim.run(body, 2, serialize=False, timeout=30)
-        assert getattr(info.value, "__notes__", []) == []  # no rank thread left behind
+        assert _left_behind(info.value) == []  # no rank thread left behind
     assert seen == ["WorldAborted"] * 5
 
 
@@ -532,3 +532,8 @@ def test_mismatch_and_deadlock_errors_pickle_with_their_fields_and_notes() -> No
         assert type(copy) is kind
         assert str(copy) == str(error)
         assert vars(copy) == vars(error)  # every field, notes included
+
+
+def _left_behind(error: BaseException) -> list[str]:
+    """The notes saying rank threads could not be stopped (a gloo failure's table is another note)."""
+    return [note for note in getattr(error, "__notes__", []) if "could not stop rank thread" in note]

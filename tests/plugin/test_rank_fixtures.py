@@ -157,8 +157,12 @@ def test_autouse_and_usefixtures_fixtures_that_depend_on_ranks_run_on_every_rank
     (sub / "test_autouse.py").write_text(AUTOUSE_TESTS.replace("{marker}", marker))
     result = pytester.runpytest_subprocess(*args, "-v", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
+    # a fixture's skip is reported at the test's line, as pytest reports it
     result.stdout.fnmatch_lines(
-        ["*test_skipped_by_the_autouse_fixture SKIPPED*", "SKIPPED [[]1[]] conftest.py:*: Skip tests on cpu"]
+        [
+            "*test_skipped_by_the_autouse_fixture SKIPPED*",
+            "SKIPPED [[]1[]] sub/test_autouse.py:4: Skip tests on cpu",
+        ]
     )
     log = (pytester.path / "log.txt").read_text().splitlines()
     # the skipped test stops at skip_on_cpu, before the sub-folder's autouse fixture
@@ -276,6 +280,144 @@ def test_an_autouse_skip_whose_dependency_a_sub_conftest_overrides_per_rank_skip
     )
     result = pytester.runpytest_subprocess("--multigpu-static", "-rs")
     result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines(["SKIPPED [[]3[]] parallel/conftest.py:*: Skip tests on cpu"])
+    result.stdout.fnmatch_lines(
+        [f"SKIPPED [[]1[]] parallel/mesh/test_on_ranks.py:{line}: Skip tests on cpu" for line in (3, 7, 11)]
+    )
     result = pytester.runpytest_subprocess("-rs", "-k", "world_marked")  # not the static suite
     result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] parallel/mesh/test_on_ranks.py:11: Skip tests on cpu"])
+
+
+# PhysicsNeMo's test tree, in its shape: the root conftest parametrizes `device` and, under
+# --multigpu-static, registers a plugin module whose session `distributed_mesh` overrides
+# meshsim's; a middle conftest's autouse `skip_on_cpu(device)` comes before another autouse
+# fixture (pytest sets up a conftest's autouse fixtures in name order); the deepest conftest
+# overrides `device` with one built from `distributed_mesh` (no `rank`); its tests are a base
+# module's, re-exported into the static suite.
+TREE = {
+    "conftest.py": """
+        import pytest
+
+        @pytest.fixture(params=["cpu"])
+        def device(request):
+            return request.param
+
+        def pytest_configure(config):
+            if config.getoption("--multigpu-static"):
+                config.pluginmanager.register(
+                    __import__("plugins.dist_fixtures", fromlist=[""]), name="dist_fixtures"
+                )
+    """,
+    "plugins/__init__.py": "",
+    "plugins/dist_fixtures.py": """
+        import pytest, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        @pytest.fixture(scope="session")
+        def distributed_mesh():
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+            yield init_device_mesh(kind, (dist.get_world_size(),), mesh_dim_names=("domain",))
+    """,
+    "parallel/conftest.py": """
+        import pytest
+
+        @pytest.fixture(autouse=True)
+        def skip_on_cpu(device):
+            if device == "cpu":
+                pytest.skip("Skip tests on cpu")
+
+        @pytest.fixture(autouse=True)
+        def then_a_gpu_is_needed(tmp_path_factory):
+            # set up after skip_on_cpu: under torchrun, on a machine without GPUs, never reached
+            log = tmp_path_factory.getbasetemp().parent / "log.txt"
+            with open(log, "a") as f:
+                f.write("reached\\n")
+            import torch
+            torch.cuda.current_device()
+    """,
+    "parallel/mesh/conftest.py": """
+        import pytest
+
+        @pytest.fixture
+        def device(distributed_mesh):
+            return distributed_mesh.device_type
+    """,
+    "basesuite.py": """
+        import torch
+
+        def test_ones(device):
+            assert torch.ones(2, device=device).sum().item() == 2
+
+        class TestTwice:
+            def test_twice(self, device):
+                assert (2 * torch.ones(1, device=device)).device.type == device
+    """,
+    "parallel/mesh/test_imported.py": """
+        import pytest, torch.distributed as dist
+        from basesuite import TestTwice, test_ones
+
+        pytestmark = pytest.mark.multigpu_static
+
+        def test_on_the_mesh(distributed_mesh):
+            assert distributed_mesh.size() == dist.get_world_size()
+    """,
+}
+
+
+def test_physicsnemo_s_tree_an_autouse_skip_whose_device_a_deeper_conftest_makes_per_rank(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without CUDA every test skips at skip_on_cpu, on every rank, before the fixtures pytest
+    sets up after it, reported at the test's line; with ``--mesh-cuda=cpu`` every test runs."""
+    import textwrap
+
+    for path, text in TREE.items():
+        target = pytester.path / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(textwrap.dedent(text))
+    pytester.syspathinsert()
+    result = pytester.runpytest_subprocess("--multigpu-static", "--world-size", "2", "-rs")
+    result.assert_outcomes(skipped=3)
+    for where in ("basesuite.py:4", "basesuite.py:8", "parallel/mesh/test_imported.py:7"):  # each test's line
+        result.stdout.fnmatch_lines([f"SKIPPED [[]1[]] {where}: Skip tests on cpu"])
+    assert not (pytester.path / "log.txt").exists(), "a fixture after the skip was set up"
+    result = pytester.runpytest_subprocess("--multigpu-static", "--world-size", "2", "--mesh-cuda=cpu")
+    result.assert_outcomes(passed=3)
+    # set up once per test, in the pytest process: it needs no per-rank value
+    assert (pytester.path / "log.txt").read_text().splitlines() == ["reached"] * 3
+
+
+def test_a_per_rank_fixture_that_fails_on_one_rank_errors_at_set_up_with_that_rank_s_traceback(
+    pytester: pytest.Pytester,
+) -> None:
+    """On the static suite, as under torchrun: the test errors in its set-up, not in its body."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def shard(rank):
+            if rank == 1:
+                raise ValueError(f"no shard for rank {rank}")
+            return rank
+
+        @pytest.mark.multigpu_static
+        def test_takes_the_shard(shard):
+            raise AssertionError("the body ran")
+
+        @pytest.mark.multigpu_static
+        def test_next(rank):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("--multigpu-static", "--world-size", "2")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_takes_the_shard*",
+            "rank 1 of 2 raised; its traceback:",
+            "*in shard",
+            "ValueError: no shard for rank 1",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*the body ran*")

@@ -110,7 +110,7 @@ def test_gloo_ranks_waiting_for_a_raising_rank_are_released_at_once() -> None:
         with pytest.raises(meshsim.RankError, match="rank 2 fails") as info:
             meshsim.run(body, 3, backend="gloo", timeout=60)
         assert info.value.rank == 2
-        assert getattr(info.value, "__notes__", []) == []  # no rank thread was left behind
+        assert _left_behind(info.value) == []  # no rank thread was left behind
         assert _meshsim_rank_threads() == []
 
 
@@ -135,7 +135,7 @@ def test_gloo_groups_made_without_a_timeout_get_the_worlds() -> None:
     finally:
         KEPT.clear()
     assert info.value.rank == 2
-    assert getattr(info.value, "__notes__", []) == []
+    assert _left_behind(info.value) == []
     assert _meshsim_rank_threads() == []
 
 
@@ -162,7 +162,8 @@ _IMPORTING = """
     try:
         meshsim.run(body, 6, backend="gloo", timeout=10)
     except meshsim.RankError as error:
-        print("rank", error.rank, "notes", getattr(error, "__notes__", []))
+        notes = [n for n in getattr(error, "__notes__", []) if "could not stop rank thread" in n]
+        print("rank", error.rank, "notes", notes)
     print("alive", [t.name for t in threading.enumerate() if t.name.startswith("meshsim-rank-")])
 """
 
@@ -174,3 +175,8 @@ def test_ranks_stopped_while_importing_do_not_block_the_others() -> None:
     tests/meshsim/test_errors.py::test_interrupting_ranks_never_breaks_an_import)."""
     returncode, stdout, stderr = _run_child(_IMPORTING)
     assert (returncode, stdout) == (0, "rank 2 notes []\nalive []\n"), stderr
+
+
+def _left_behind(error: BaseException) -> list[str]:
+    """The notes saying rank threads could not be stopped (a gloo failure's table is another note)."""
+    return [note for note in getattr(error, "__notes__", []) if "could not stop rank thread" in note]
