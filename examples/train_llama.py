@@ -53,17 +53,54 @@ def rotary(x):
     return x * angles.cos().repeat(1, 2) + torch.cat((-x2, x1), dim=-1) * angles.sin().repeat(1, 2)
 
 
+def causal(batch, head, q_index, kv_index):
+    return q_index >= kv_index
+
+
+_block_masks = {}
+
+
+def flex_causal(q, k, v):
+    """Causal attention by flex attention, its block mask made once per length and device.
+
+    Not compiled, even with ``--compile``: on the CPU (meshsim's CUDA emulation stores
+    tensors there, and the compiler sees that storage) torch 2.13-2.14's flex attention
+    refuses to compile for training ("FlexAttention does not support backward on CPU"),
+    and Inductor's CPU flex attention is inference only. Eager flex attention (torch's
+    own kernel, run by the emulation on the CPU) trains. On a GPU, compile it.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    key = (q.shape[-2], q.device)
+    if key not in _block_masks:
+        _block_masks[key] = create_block_mask(causal, None, None, key[0], key[0], device=q.device)
+    return flex_attention(q, k, v, block_mask=_block_masks[key])
+
+
+class Rotary(nn.Module):
+    """Rotary embedding of the queries and the keys: a module, so that ``--compile`` can compile it alone."""
+
+    def forward(self, q, k):
+        return rotary(q), rotary(k)
+
+
 class Attention(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, attention="sdpa"):
         super().__init__()
         self.head_dim = dim // heads
+        self.attention = attention
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.rotary = Rotary()
 
     def forward(self, x):
         b, s, _ = x.shape
         # Under tensor parallel wq, wk and wv give this rank's heads only: -1 counts them.
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+        q, k = self.rotary(q, k)
+        if self.attention == "flex":
+            out = flex_causal(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -79,9 +116,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, attention="sdpa"):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, heads)
+        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, heads, attention)
         self.mlp_norm, self.mlp = RMSNorm(dim), MLP(dim, 4 * dim)
 
     def forward(self, x):
@@ -92,10 +129,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Tokens to logits. A pipeline stage keeps some of the parts: those it drops are None."""
 
-    def __init__(self, vocab, dim, layers, heads):
+    def __init__(self, vocab, dim, layers, heads, attention="sdpa"):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
+        self.layers = nn.ModuleDict({str(i): Block(dim, heads, attention) for i in range(layers)})
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -121,13 +158,17 @@ def batch(step, args):
 
 
 def compile_block(block):
-    """torch.compile the block's attention and MLP.
+    """torch.compile the block's attention and MLP (with flex attention: its projections and flex itself).
 
     Not the whole block: on torch 2.13 a whole compiled block under tensor parallel fails in
     backward with tp alone (AttributeError: 'Tensor' object has no attribute '_local_tensor'),
-    and with FSDP too its losses leave eager's from the second step.
+    and with FSDP too its losses leave eager's from the second step. With ``--attention flex``,
+    the MLP only: flex attention runs eagerly (see :func:`flex_causal`), and so does the rest of
+    the attention (compiling its rotary embedding alone failed under ``meshsim run`` on 8 ranks:
+    NameError '__compiled_fn_...' in Rotary.forward, the ranks' globals differ).
     """
-    block.attn.compile()
+    if block.attn.attention != "flex":
+        block.attn.compile()
     block.mlp.compile()
 
 
@@ -191,6 +232,13 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile each block's attention and MLP")
+    p.add_argument(
+        "--attention",
+        choices=("sdpa", "flex"),
+        default="sdpa",
+        help="scaled_dot_product_attention, or flex attention with a causal block mask (CUDA only: "
+        "torch's flex attention refuses backward on CPU tensors)",
+    )
     gpu = torch.cuda.is_available()
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if gpu else "cpu")
     p.add_argument("--print-full", action="store_true", help="also print: step {i} loss_full {repr(loss)}")
@@ -200,6 +248,8 @@ def parse_args():
         args.tp = args.pp = 1  # one process: no parallelism
     if max(args.world, 1) % (args.tp * args.pp):
         p.error(f"world size {args.world} is not a multiple of tp {args.tp} x pp {args.pp}")
+    if args.attention == "flex" and args.device != "cuda":
+        p.error("--attention flex trains on --device cuda only: torch 2.13-2.14's flex refuses CPU backward")
     args.dp = max(args.world, 1) // (args.tp * args.pp)
     args.microbatches = args.microbatches or args.pp
     if args.heads % args.tp or args.layers < args.pp:
@@ -222,7 +272,7 @@ def main():
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")  # env://
 
     torch.manual_seed(args.seed)  # the whole model, the same on every rank, before it is split
-    model = Transformer(args.vocab, args.dim, args.layers, args.heads).to(device)
+    model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.attention).to(device)
     schedule, stage, last_stage, dp_rank = None, 0, True, 0
     if args.world:
         from torch.distributed.device_mesh import init_device_mesh

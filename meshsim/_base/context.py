@@ -18,7 +18,11 @@ what is open here?":
 - ``child_cpus``: the CPUs a process forked from the thread runs on, where meshsim
   pinned the thread to fewer (a rank of a serialized world);
 - ``regions``: where the thread's :func:`meshsim.region` blocks go, while something
-  collects them (``meshsim run``'s ranks), else None.
+  collects them (``meshsim run``'s ranks), else None;
+- ``cuda``: the thread's CUDA emulation, while it emulates (a rank of a world that
+  emulates, the pytest process under ``--mesh-cuda``, a child process): its dispatch
+  mode (:class:`meshsim._process.cuda.tensors.CudaMode`), which carries the world's
+  :class:`~meshsim._process.cuda.spec.Spec` and the thread's own counters; None elsewhere.
 
 The record is a ``threading.local`` whose class attributes are the values of a
 thread that is no rank: reading a field costs one attribute lookup in C, which
@@ -71,6 +75,7 @@ class Context(threading.local):
     numpy_rng: Any = None
     child_cpus: frozenset[int] | None = None
     regions: list[Any] | None = None
+    cuda: Any = None  # meshsim._process.cuda.tensors.CudaMode
 
     def __init__(self) -> None:
         # runs once in each thread that touches the record: every thread its own list

@@ -9,6 +9,7 @@ from meshsim._engine.session import Session
 from meshsim._process import cuda
 from meshsim._process.handover import hold
 from meshsim._process.modules import declared_modules, per_rank_module
+from meshsim._process.patches import install_cuda, uninstall_cuda
 from meshsim._process.state import torchrun_environment
 from meshsim._record.ledger import Ledger
 from meshsim._record.sites import library_code
@@ -20,8 +21,10 @@ __all__ = [
     "cuda",
     "declared_modules",
     "hold",
+    "install_cuda",
     "library_code",
     "per_rank_module",
     "restart_numbering",
     "torchrun_environment",
+    "uninstall_cuda",
 ]

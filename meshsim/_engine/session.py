@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshsim._engine.world import World, _check_args
+from meshsim._process.cuda import Spec
 
 __all__ = ["Session"]
 
@@ -30,6 +31,8 @@ class Session:
 
     Keyword args:
         backend, timeout, gpu_paths, num_threads: as for :func:`meshsim.run`.
+        cuda: the CUDA emulation every world of the session has (each sizes it), as for
+            :class:`meshsim._engine.world.World`.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class Session:
         timeout: float = 60.0,
         gpu_paths: bool = True,
         num_threads: int | str | None = 1,
+        cuda: Spec | str | None = None,
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
         self.world_size = world_size
@@ -48,6 +52,7 @@ class Session:
             "timeout": timeout,
             "gpu_paths": gpu_paths,
             "num_threads": num_threads,
+            "cuda": cuda,
         }
         self.worlds = 0  # worlds started so far (a failed call ends one)
         self._setup: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []

@@ -79,7 +79,7 @@ def run(
     num_threads: int | str | None = 1,
     redundant: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
-    cuda: str | None = None,
+    cuda: str | _cuda.Spec | None = None,
     nnodes: int = 1,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank of a simulated world and return the results.
@@ -124,7 +124,10 @@ def run(
             (``device="cuda"``, ``torch.cuda.set_device``, ``init_process_group("nccl")``,
             streams, the CUDA RNG; see the README's "GPU code without a GPU");
             ``"cuda:N"``: every rank's ``cuda:k`` is this process's one GPU ``N``. None
-            (the default): ``MESHSIM_CUDA``'s value, else off.
+            (the default): ``MESHSIM_CUDA``'s value, else what the calling thread
+            emulates (the pytest process under ``--mesh-cuda``), else off. Ranks see a
+            node's 8 GPUs, or one per rank per node where that is more
+            (``MESHSIM_CUDA_DEVICES`` sets the count).
         nnodes: simulated nodes of ``world_size // nnodes`` ranks each: the environment
             says so as torchrun's does for that many nodes (``LOCAL_RANK``, ``GROUP_RANK``,
             ``LOCAL_WORLD_SIZE``, ...; ``sim`` only). It must divide ``world_size``.
@@ -152,7 +155,7 @@ def run(
             gpu_paths=gpu_paths,
             num_threads=num_threads,
             redundant=redundant,
-            cuda=cuda,
+            cuda=_cuda.resolve(cuda),  # the face: MESHSIM_CUDA where cuda is None
             nnodes=nnodes,
         )
         return _run_once(world, fn, args, kwargs, trace)
@@ -177,8 +180,9 @@ def run_ranks(
 
     For meshsim's unittest bases, which report skips in unittest's terms. ``options`` are
     :class:`World`'s (``timeout``, ``backend``, ``serialize``, ``gpu_paths``, ``num_threads``,
-    ``redundant``, ``cuda``), as for :func:`run`.
+    ``redundant``, ``cuda``), as for :func:`run`; ``cuda`` None is ``MESHSIM_CUDA``'s, as there.
     """
+    options["cuda"] = _cuda.resolve(options.get("cuda"))  # the face of meshsim's unittest bases
     return _run_once(World(world_size, **options), fn, args, kwargs, trace)
 
 
@@ -297,8 +301,11 @@ class World:
         world_size: the number of ranks (1 or more).
 
     Keyword args:
-        timeout, backend, serialize, gpu_paths, num_threads, redundant, cuda, nnodes: as for
+        timeout, backend, serialize, gpu_paths, num_threads, redundant, nnodes: as for
             :func:`meshsim.run`.
+        cuda: the CUDA emulation (a :class:`meshsim._process.cuda.Spec`, or its text as
+            ``--mesh-cuda`` takes it); None: what the calling thread emulates, else off.
+            The world sizes it to its ranks per node.
 
     Raises:
         TypeError, ValueError: a bad argument.
@@ -314,7 +321,7 @@ class World:
         gpu_paths: bool = True,
         num_threads: int | str | None = 1,
         redundant: bool | None = None,
-        cuda: str | None = None,
+        cuda: str | _cuda.Spec | None = None,
         nnodes: int = 1,
     ) -> None:
         _check_args(world_size, timeout, backend, num_threads)
@@ -327,11 +334,11 @@ class World:
         if redundant is not None and not isinstance(redundant, bool):
             raise TypeError(f"redundant must be True, False or None, got {redundant!r}")
         # parsed now, so a bad value fails before any thread starts
-        self.cuda = (
-            _cuda.from_environment(world_size)
-            if cuda is None
-            else _cuda.parse(cuda, devices=_cuda.devices_wanted(world_size))
-        )
+        asked = _cuda.resolve(cuda) if cuda is not None else None
+        if asked is None:  # a world started from a thread that emulates (the pytest process) emulates too
+            asked = _cuda.emulated_here()
+        self.cuda_asked = asked  # what ranks' own worlds inherit
+        self.cuda = asked.sized(world_size // nnodes) if asked is not None else None
         self.world_size = world_size
         self.timeout = timeout
         self.group_timeout = datetime.timedelta(seconds=timeout)  # of the groups ranks make
@@ -560,7 +567,7 @@ class World:
         # Patches first: they declare the per-rank state of integrated projects already
         # loaded, which the caller's state then includes.
         if self.cuda is not None:
-            _cuda.acquire(self.cuda)
+            _patches.install_cuda(self.cuda)
         try:
             _patches.install(BACKEND_NAME, create_process_group)
         except BaseException:
@@ -594,7 +601,7 @@ class World:
 
     def _release_cuda(self) -> None:
         if self.cuda is not None:
-            _cuda.release()
+            _patches.uninstall_cuda(self.cuda)
 
     def _launch(self, caller: ProcessState) -> None:
         """Start the rank threads; rank 0 (every rank, unserialized) runs at once."""
@@ -745,7 +752,12 @@ class World:
 
     def _rank_main(self, rank: int) -> None:
         try:
-            _patches.enter_rank_thread(gpu_paths=self.gpu_paths, group_timeout=self.group_timeout)
+            _patches.enter_rank_thread(
+                gpu_paths=self.gpu_paths,
+                group_timeout=self.group_timeout,
+                cuda=self.cuda,
+                cuda_asked=self.cuda_asked,
+            )
             try:
                 self._rank_body(rank)
             finally:

@@ -31,6 +31,7 @@ from meshsim._base.errors import RankError, format_user_traceback
 from meshsim._modes.launch import die_with_parent
 
 if TYPE_CHECKING:
+    from meshsim._process.cuda import Spec
     from meshsim._record.ledger import Ledger
     from meshsim._record.standing import Standing, Verdict
 
@@ -84,9 +85,18 @@ class TestTarget:
 
 
 def run_in_processes(
-    target: TestTarget, funcargs: dict[str, Any], world_size: int, *, timeout: float, record: bool = False
+    target: TestTarget,
+    funcargs: dict[str, Any],
+    world_size: int,
+    *,
+    timeout: float,
+    record: bool = False,
+    cuda: Spec | None = None,
 ) -> list[Ledger | None]:
     """Run the test on ``world_size`` fresh processes; raise :class:`RankError` if a rank fails.
+
+    ``cuda``: the CUDA emulation each rank's process installs (``--mesh-cuda``, sized for
+    the world), handed to it as an argument; None: off.
 
     Returns:
         each rank's ledger of the body, rank 0's first, sent back by its process:
@@ -101,7 +111,7 @@ def run_in_processes(
         parent_end, child_end = context.Pipe(duplex=False)
         child = context.Process(
             target=_child_main,
-            args=(target, funcargs, rank, world_size, store.port, timeout, record, child_end),
+            args=(target, funcargs, rank, world_size, store.port, timeout, record, child_end, cuda),
             name=f"meshsim-spawn-rank-{rank}",
             daemon=True,
         )
@@ -216,10 +226,11 @@ def _child_main(
     timeout: float,
     record: bool,
     pipe: Any,
+    cuda: Spec | None = None,
 ) -> None:
     die_with_parent()
     try:
-        _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe)
+        _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe, cuda)
     except BaseException as exc:  # failed before or after the body: still report it
         _report(pipe, _Outcome("error", format_user_traceback(exc), time.time()))
     finally:
@@ -247,6 +258,7 @@ def _run_rank(
     timeout: float,
     record: bool,
     pipe: Any,
+    cuda: Spec | None,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -267,7 +279,7 @@ def _run_rank(
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=delta)
-    emulating = _emulate_cuda(world_size)
+    emulating = _emulate_cuda(cuda)
     recorder: DispatchRecorder | None = None
     try:
         test = target.load()
@@ -286,33 +298,34 @@ def _run_rank(
         _report(pipe, _ended(exc)._replace(standing=standing_of(rank, recorder, ended=True, error=exc)))
     finally:
         dist.destroy_process_group()
-        if emulating:
-            _stop_emulating()
+        if emulating is not None:
+            _stop_emulating(emulating)
 
 
-def _emulate_cuda(world_size: int) -> bool:
-    """``--mesh-cuda`` (``MESHSIM_CUDA``, inherited from the pytest process) in this rank's process.
+def _emulate_cuda(spec: Spec | None) -> Spec | None:
+    """``--mesh-cuda`` in this rank's process: the pytest process's setting, sized for the world.
 
     Installed after the rank's own group is made, so that group is what the machine
     really has (gloo here). Undone when the test ends (:func:`_stop_emulating`): a kept
     rank process (:mod:`meshsim._modes.spawn_pool`) makes the next test's group on the
-    machine as it is. Returns whether it installed anything.
+    machine as it is. Returns the spec installed (None: nothing).
     """
-    from meshsim._process import cuda
-
-    spec = cuda.from_environment(world_size)
     if spec is None:
-        return False
-    cuda.acquire(spec)
-    cuda.enter_rank()
-    return True
-
-
-def _stop_emulating() -> None:
+        return None
     from meshsim._process import cuda
+    from meshsim._process.patches import install_cuda
+
+    install_cuda(spec)
+    cuda.enter_rank(spec)
+    return spec
+
+
+def _stop_emulating(spec: Spec) -> None:
+    from meshsim._process import cuda
+    from meshsim._process.patches import uninstall_cuda
 
     cuda.leave_rank()
-    cuda.release()
+    uninstall_cuda(spec)
 
 
 def _ended(exc: BaseException) -> _Outcome:

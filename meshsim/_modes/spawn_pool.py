@@ -56,6 +56,7 @@ from meshsim._modes.spawn import (
 )
 
 if TYPE_CHECKING:
+    from meshsim._process.cuda import Spec
     from meshsim._record.ledger import Ledger
 
 __all__ = ["PoolStatistics", "RankPools", "pool_key"]
@@ -93,6 +94,7 @@ class _Job:
     cwd: str
     path: list[str]
     spare_threads: int
+    cuda: Spec | None  # the CUDA emulation the rank installs for this test (sized for its world)
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ class RankPools:
         *,
         timeout: float,
         record: bool = False,
+        cuda: Spec | None = None,
     ) -> list[Ledger | None]:
         """Run the test on the first ``world_size`` kept processes; raise :class:`RankError` if a rank fails.
 
@@ -236,7 +239,7 @@ class RankPools:
 
         processes = self._processes(world_size)
         store = loopback_store(world_size + 1, timeout=timeout)
-        job = _job(target, funcargs, world_size, store.port, timeout, record, self.spare_threads)
+        job = _job(target, funcargs, world_size, store.port, timeout, record, self.spare_threads, cuda)
         payload = bytes(ForkingPickler.dumps(job))
         self._tests += 1
         try:
@@ -320,9 +323,10 @@ def _job(
     timeout: float,
     record: bool,
     spare_threads: int,
+    cuda: Spec | None,
 ) -> _Job:
     environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
-    return _Job(target, funcargs, world_size, port, timeout, record, environ, cwd, path, spare_threads)
+    return _Job(target, funcargs, world_size, port, timeout, record, environ, cwd, path, spare_threads, cuda)
 
 
 def _send(process: _RankProcess, payload: bytes) -> None:
@@ -406,7 +410,9 @@ def _run_job(job: _Job, rank: int, conn: Any, baseline: _Baseline) -> str | None
     baseline.enter(job)
     leaks = LeakCheck()
     try:
-        _run_rank(job.target, job.funcargs, rank, job.world_size, job.port, job.timeout, job.record, pipe)
+        _run_rank(
+            job.target, job.funcargs, rank, job.world_size, job.port, job.timeout, job.record, pipe, job.cuda
+        )
     except BaseException as exc:  # before the body (store, rendezvous) or after it (destroying the group)
         pipe.send(_Outcome("error", format_user_traceback(exc), time.time()))
         return f"its set-up or teardown failed ({type(exc).__name__}: {exc})"

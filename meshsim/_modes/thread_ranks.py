@@ -13,6 +13,7 @@ from typing import Any
 
 from meshsim._engine.world import run
 from meshsim._modes.fixtures import RankFixtures, resolve
+from meshsim._process.cuda import Spec
 from meshsim._record.ledger import Ledger
 
 __all__ = ["TestFunction", "run_on_threads"]
@@ -40,8 +41,12 @@ def run_on_threads(
     timeout: float,
     num_threads: int | str | None = 1,
     record: bool = False,
+    cuda: Spec | None = None,
 ) -> list[Ledger | None]:
     """Run the test body on ``world_size`` thread ranks (``backend`` "sim" or "gloo").
+
+    ``cuda``: the CUDA emulation (``--mesh-cuda``, resolved; None: off), which the world
+    sizes to ``world_size``.
 
     Returns:
         each rank's ledger of the body, rank 0's first: recorded when ``record`` is
@@ -56,4 +61,5 @@ def run_on_threads(
         backend=backend,
         timeout=timeout,
         num_threads=num_threads,
+        cuda=cuda,
     )

@@ -1,8 +1,12 @@
-"""The process-global changes a running world needs, installed by the first world and removed by the last.
+"""The process-global changes meshsim makes, each with its undo step, in one list.
 
-Each change is made by one function below, which returns the step that undoes it;
-:class:`_Patches` keeps those steps in one list and runs them in reverse order.
-The list is reference counted, so worlds may overlap (worlds started from several
+Two groups of changes share the list: what a running world needs (installed by the
+first world, removed by the last: :func:`install`), and the CUDA emulation's
+(``torch.cuda``'s stand-ins, torch.Tensor's device face: :func:`install_cuda`, made by
+the first user that emulates, a world or the pytest process, and undone by the last).
+Each change is made by one function, which returns the step that undoes it;
+:class:`_Patches` keeps those steps in one list and undoes a group's in reverse order.
+Each group is reference counted, so worlds may overlap (worlds started from several
 threads), and a process that never runs a world is never touched.
 
 Private torch names patched here, checked in torch 2.11, 2.12, 2.13, 2.14 and 2.15:
@@ -43,61 +47,100 @@ __all__ = [
     "enter_rank_thread",
     "init_process_group_unpatched",
     "install",
+    "install_cuda",
     "leave_rank_thread",
     "take_swallowed_interrupts",
     "uninstall",
+    "uninstall_cuda",
 ]
 
 Undo = Callable[[], None]
 
 
+_WORLDS, _CUDA = "worlds", "cuda"  # the groups of changes
+
+
 class _Patches:
-    """The undo steps of the changes made for the worlds now running, in the order made."""
+    """The undo steps of the changes made for the running worlds and the CUDA emulation, in the order made."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._users = 0
-        self._undo: list[Undo] = []
+        self._users = {_WORLDS: 0, _CUDA: 0}
+        self._undo: list[tuple[str, Undo]] = []  # (group, step)
         self.worlds: _thread_worlds.ThreadWorlds | None = None
+        self.cuda: _cuda.Spec | None = None  # the first user's emulation: its storage is everyone's
 
     def acquire(self, backend_name: str, creator: Callable[..., Any]) -> None:
         with self._lock:
-            self._users += 1
-            if self._users == 1:
+            self._users[_WORLDS] += 1
+            if self._users[_WORLDS] == 1:
                 self._install(backend_name, creator)
 
     def release(self) -> None:
         with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                self._uninstall()
+            self._users[_WORLDS] -= 1
+            if self._users[_WORLDS] == 0:
+                self._uninstall(_WORLDS)
+                self.worlds = None
+
+    def acquire_cuda(self, spec: _cuda.Spec) -> None:
+        with self._lock:
+            if self._users[_CUDA]:
+                assert self.cuda is not None
+                if self.cuda.storage != spec.storage:
+                    raise ValueError(
+                        f"CUDA is emulated with storage on {self.cuda.text} already; a world cannot "
+                        f"emulate it on {spec.text} at the same time"
+                    )
+            else:
+                try:
+                    self._undo.extend((_CUDA, step) for step in _cuda.changes(spec))
+                except BaseException:
+                    self._uninstall(_CUDA)
+                    raise
+                self.cuda = spec
+            self._users[_CUDA] += 1
+            _cuda.IN_USE.add(spec)
+
+    def release_cuda(self, spec: _cuda.Spec) -> None:
+        with self._lock:
+            _cuda.IN_USE.remove(spec)
+            self._users[_CUDA] -= 1
+            if self._users[_CUDA] == 0:
+                self._uninstall(_CUDA)
+                self.cuda = None
 
     def _install(self, backend_name: str, creator: Callable[..., Any]) -> None:
-        undo = self._undo
+        def add(step: Undo) -> None:
+            self._undo.append((_WORLDS, step))
+
         try:
-            undo.append(_clear_dtensor_caches)  # undone last: plans that hold ended worlds' meshes
+            add(_clear_dtensor_caches)  # undone last: plans that hold ended worlds' meshes
             _fake_cuda_guard_in_main_thread()
             self.worlds, undo_worlds = _thread_worlds.install()
-            undo.append(undo_worlds)
-            undo.append(_backward_in_calling_thread())
-            undo.append(_meshes_per_rank_thread())
-            undo.append(_group_timeout_per_world())
-            undo.append(_adopting_init_process_group())
-            undo.append(_dtensor_gpu_paths())
-            undo.append(_registered_backend(backend_name, creator))
-            undo.append(_subgroups_served_by(backend_name))
-            undo.append(_rng.install())
-            undo.append(_integrations.install())
-            undo.append(_unraisable_hook_installed())
+            add(undo_worlds)
+            add(_backward_in_calling_thread())
+            add(_meshes_per_rank_thread())
+            add(_group_timeout_per_world())
+            add(_adopting_init_process_group())
+            add(_dtensor_gpu_paths())
+            add(_registered_backend(backend_name, creator))
+            add(_subgroups_served_by(backend_name))
+            add(_rng.install())
+            add(_integrations.install())
+            add(_unraisable_hook_installed())
         except BaseException:
-            self._uninstall()
+            self._uninstall(_WORLDS)
+            self.worlds = None
             raise
 
-    def _uninstall(self) -> None:
+    def _uninstall(self, group: str) -> None:
+        """Undo ``group``'s changes, the last made first; the other group's stay."""
         undo = self._undo
-        while undo:
-            undo.pop()()
-        self.worlds = None
+        for i in range(len(undo) - 1, -1, -1):
+            if undo[i][0] == group:
+                _, step = undo.pop(i)
+                step()
 
 
 _PATCHES = _Patches()
@@ -531,10 +574,36 @@ def uninstall() -> None:
     _PATCHES.release()
 
 
-def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | None = None) -> None:
+def install_cuda(spec: _cuda.Spec) -> None:
+    """Make the CUDA emulation's process-wide changes (the first user) until the last :func:`uninstall_cuda`.
+
+    Users: a world that emulates, the pytest process under ``--mesh-cuda``, a child
+    process. Each thread that emulates then enters its own spec
+    (:func:`meshsim._process.cuda.enter_rank`).
+
+    Raises:
+        ValueError: another user emulates with storage elsewhere (``cpu`` and ``cuda:N`` at once).
+    """
+    _PATCHES.acquire_cuda(spec)
+
+
+def uninstall_cuda(spec: _cuda.Spec) -> None:
+    """Undo the :func:`install_cuda` of ``spec``; the last one out puts torch back as it was."""
+    _PATCHES.release_cuda(spec)
+
+
+def enter_rank_thread(
+    *,
+    gpu_paths: bool,
+    group_timeout: datetime.timedelta | None = None,
+    cuda: _cuda.Spec | None = None,
+    cuda_asked: _cuda.Spec | None = None,
+) -> None:
     """Make the calling thread a rank: its own c10d world, RNGs and mesh identity (its rank context).
 
-    ``group_timeout``: the timeout of the groups the rank makes without one. Undone by
+    ``group_timeout``: the timeout of the groups the rank makes without one. ``cuda``: the
+    world's CUDA emulation, sized for it (installed by :func:`install_cuda`), and
+    ``cuda_asked`` as it was asked for, which worlds the rank starts inherit. Undone by
     :func:`leave_rank_thread` in the same thread, which leaves the world view this
     thread entered (a later world may have installed another). Plain functions, not a
     context manager: every rank of every world runs them, in a world's set-up time.
@@ -546,12 +615,14 @@ def enter_rank_thread(*, gpu_paths: bool, group_timeout: datetime.timedelta | No
         raise RuntimeError("meshsim internal error: enter_rank_thread() outside a world")
     _thread_worlds.enter_rank_thread(worlds, gpu_paths=gpu_paths, group_timeout=group_timeout)
     _rng.enter_rank()
-    _cuda.enter_rank()  # a no-op unless CUDA is emulated
+    if cuda is not None:
+        _cuda.enter_rank(cuda, cuda_asked)
 
 
 def leave_rank_thread() -> None:
     """Undo :func:`enter_rank_thread` in the calling thread."""
     _clear_thread_caches()  # the thread may serve a later world: its caches hold this one's meshes
-    _cuda.leave_rank()
+    if current().cuda is not None:  # the world emulates (a rank thread enters nothing else)
+        _cuda.leave_rank()
     _rng.leave_rank()
     _thread_worlds.leave_rank_thread()

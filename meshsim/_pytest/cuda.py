@@ -1,23 +1,28 @@
 """``--mesh-cuda``: GPU code on simulated ranks, with CUDA emulated on the CPU or every rank on one GPU.
 
-``--mesh-cuda=cpu`` (or ``MESHSIM_CUDA=cpu``) installs the emulation of
-:mod:`meshsim._process.cuda` before any conftest configures, so collection, fixtures
-in the pytest process and every rank see a CUDA machine with one GPU per rank (at
-least 8; ``MESHSIM_CUDA_DEVICES`` sets the count). ``--mesh-cuda=cuda:0`` puts every
-rank's ``cuda:k`` on the one real GPU. The value reaches spawned ranks through
-``MESHSIM_CUDA`` in their environment, so each installs it too.
+The option (default ``MESHSIM_CUDA``; ``MESHSIM_CUDA_DEVICES`` sets the GPU count) is
+resolved once, before any conftest configures, into a
+:class:`meshsim._process.cuda.Spec`: the plugin's state keeps it
+(:attr:`PluginState.cuda <meshsim._pytest.state.PluginState>`), and every world the
+plugin starts is handed it (each sizes it to its own ranks per node; spawned ranks
+get it as an argument). The pytest process emulates too, sized for ``--world-size``,
+so that collection and the fixtures that run here see a CUDA machine.
+``--mesh-cuda=cuda:0`` puts every rank's ``cuda:k`` on the one real GPU.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
+from meshsim._pytest.state import state_of
+
 __all__: list[str] = []
 
-_INSTALLED = pytest.StashKey[bool]()
-_ENVIRON = pytest.StashKey["str | None"]()
+_EMULATION = pytest.StashKey[Any]()  # the Spec --mesh-cuda asks for (None: off)
+_HERE = pytest.StashKey[Any]()  # the Spec the pytest process emulates (sized), until unconfigure
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,44 +43,40 @@ def pytest_load_initial_conftests(
 ) -> None:
     # Before any conftest is imported: a conftest decides at import what runs on CUDA
     # (PhysicsNeMo's parametrizes its ``device`` fixture on torch.cuda.is_available()).
-    _install(early_config, getattr(early_config.known_args_namespace, "mesh_cuda", None))
+    namespace = early_config.known_args_namespace
+    _emulate(early_config, getattr(namespace, "mesh_cuda", None), getattr(namespace, "world_size", None))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    if not config.stash.get(_INSTALLED, False):  # pytest.main() with plugins given in-process
-        _install(config, config.getoption("mesh_cuda"))
+    if _EMULATION not in config.stash:  # pytest.main() with plugins given in-process
+        _emulate(config, config.getoption("mesh_cuda"), config.getoption("world_size"))
+    state_of(config).cuda = config.stash[_EMULATION]  # what every world of the run is handed
 
 
-def _install(config: pytest.Config, value: str | None) -> None:
-    if value in (None, "", "off"):
-        return
-    from meshsim._engine import cuda
+def _emulate(config: pytest.Config, value: str | None, world_size: int | None) -> None:
+    """Resolve ``--mesh-cuda`` once, and emulate it in the pytest process."""
+    from meshsim._engine import cuda, install_cuda
 
-    world_size = getattr(config.known_args_namespace, "world_size", None) or 4
     try:
-        spec = cuda.parse(value, devices=cuda.devices_wanted(world_size))
+        spec = cuda.resolve(value) if value not in (None, "", "off") else None
     except (TypeError, ValueError) as exc:
         raise pytest.UsageError(f"--mesh-cuda: {exc}") from None
+    config.stash[_EMULATION] = spec
     if spec is None:
         return
-    cuda.acquire(spec)
-    cuda.enter_rank()  # the pytest process too: collection, hooks and fixtures that run here
-    config.stash[_INSTALLED] = True
-    config.stash[_ENVIRON] = os.environ.get("MESHSIM_CUDA")
-    os.environ["MESHSIM_CUDA"] = value  # spawned ranks install it as well
+    here = spec.sized(world_size or 4)
+    install_cuda(here)
+    config.stash[_HERE] = here
+    cuda.enter_rank(here, spec)  # the pytest process too: collection, hooks and fixtures that run here
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if config.stash.get(_INSTALLED, False):
-        from meshsim._engine import cuda
+    here = config.stash.get(_HERE, None)
+    if here is not None:
+        from meshsim._engine import cuda, uninstall_cuda
 
-        config.stash[_INSTALLED] = False
+        config.stash[_HERE] = None
         cuda.leave_rank()
-        cuda.release()
-        before = config.stash.get(_ENVIRON, None)
-        if before is None:
-            os.environ.pop("MESHSIM_CUDA", None)
-        else:
-            os.environ["MESHSIM_CUDA"] = before
+        uninstall_cuda(here)

@@ -133,7 +133,10 @@ def _run_ranks(
         from meshsim._pytest.spawn import run_spawned
 
         target = TestTarget(item.module.__name__, str(item.path), test.__qualname__)
-        return run_spawned(item.config, target, funcargs, size, timeout=state.timeout, record=record)
+        cuda = state.cuda.sized(size) if state.cuda is not None else None
+        return run_spawned(
+            item.config, target, funcargs, size, timeout=state.timeout, record=record, cuda=cuda
+        )
     from meshsim._modes.thread_ranks import run_on_threads
 
     try:
@@ -145,6 +148,7 @@ def _run_ranks(
             timeout=state.timeout,
             num_threads=state.num_threads,
             record=record,
+            cuda=state.cuda,
         )
     except RankError as error:
         raise decided(error) from None

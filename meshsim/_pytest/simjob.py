@@ -112,6 +112,7 @@ class SimulatedJob:
         backend: ``"sim"`` or ``"gloo"``.
         timeout: the world's timeout (``--mesh-timeout``).
         num_threads: each rank's intra-op threads (``MESHSIM_NUM_THREADS``).
+        cuda: the CUDA emulation (``--mesh-cuda``, resolved; None: off).
     """
 
     def __init__(
@@ -121,11 +122,15 @@ class SimulatedJob:
         backend: str,
         timeout: float,
         num_threads: int | str | None = 1,
+        *,
+        cuda: Any = None,
     ) -> None:
         self.config = config
         self.world_size = world_size
         self.backend = backend
-        self.session = Session(world_size, backend=backend, timeout=timeout, num_threads=num_threads)
+        self.session = Session(
+            world_size, backend=backend, timeout=timeout, num_threads=num_threads, cuda=cuda
+        )
         self._fixtures: dict[int, RankFixtures] = {}  # each rank's, in the current world
         self._fixtures_world = 0  # which world they belong to
         self._wrapped: list[tuple[Any, Callable[..., Any]]] = []  # (hook impl, its own function)

@@ -55,6 +55,7 @@ def run_spawned(
     *,
     timeout: float,
     record: bool,
+    cuda: Any = None,
 ) -> list[Any]:
     """Run a test on ``world_size`` spawned ranks, in kept processes or fresh ones as ``--mesh-spawn`` says.
 
@@ -67,13 +68,13 @@ def run_spawned(
     if config.stash.get(_MODE, "pool") == "fresh":
         from meshsim._modes.spawn import run_in_processes
 
-        return run_in_processes(target, funcargs, world_size, timeout=timeout, record=record)
+        return run_in_processes(target, funcargs, world_size, timeout=timeout, record=record, cuda=cuda)
     pools = config.stash.get(_POOLS, None)
     if pools is None:
         from meshsim._modes.spawn_pool import RankPools
 
         pools = config.stash[_POOLS] = RankPools()
-    return pools.run(target, funcargs, world_size, timeout=timeout, record=record)
+    return pools.run(target, funcargs, world_size, timeout=timeout, record=record, cuda=cuda)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

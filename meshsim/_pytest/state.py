@@ -13,6 +13,7 @@ import pytest
 if TYPE_CHECKING:
     from meshsim._modes.torchrun import StaticSession
     from meshsim._observe.topology import Topology
+    from meshsim._process.cuda import Spec
     from meshsim._pytest.simjob import SimulatedJob
 
 __all__ = ["LedgerCheck", "PluginState", "state_of"]
@@ -29,6 +30,8 @@ class PluginState:
     Attributes:
         backend, world_size, timeout: ``--mesh-backend``, ``--world-size``, ``--mesh-timeout``.
         num_threads: the intra-op threads of each simulated rank (``MESHSIM_NUM_THREADS``).
+        cuda: ``--mesh-cuda`` resolved (a :class:`meshsim._process.cuda.Spec`; None: off),
+            handed to every world the plugin starts (:mod:`meshsim._pytest.cuda`).
         suite: ``"static"`` or ``"dynamic"``: the suite ``--multigpu-*`` selects (None: all tests).
         unmarked: ``--mesh-unmarked``: ``"ranks"`` runs unmarked tests on the static suite's ranks.
         owns_suite_options: meshsim defined ``--multigpu-static`` / ``-dynamic`` (no conftest did).
@@ -45,6 +48,7 @@ class PluginState:
     world_size: int
     timeout: float
     num_threads: int | str = 1
+    cuda: Spec | None = None
     suite: str | None = None
     unmarked: str = "skip"
     owns_suite_options: bool = False

@@ -23,7 +23,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from meshsim._pytest.simjob import SimulatedJob
 
     state = state_of(config)
-    job = SimulatedJob(config, state.world_size, state.backend, state.timeout, state.num_threads)
+    job = SimulatedJob(
+        config, state.world_size, state.backend, state.timeout, state.num_threads, cuda=state.cuda
+    )
     job.start()
     state.job = job
 

@@ -21,6 +21,8 @@ from typing import Any, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshsim._process.cuda.graphs import note_call
+
 __all__ = ["dispatch_modes_active", "dispatcher_twin", "through_dispatcher"]
 
 dispatch_modes_active: Callable[[], int] = torch._C._len_torch_dispatch_stack
@@ -90,5 +92,6 @@ class _CarryOut(TorchDispatchMode):  # type: ignore[misc]
             return func(*args, **kwargs)  # anything else the modes above ran
         self._run = None
         self.work = work = run()
+        note_call(run)  # a CUDA graph's capture under emulation: its replay runs the collective again
         boxed = work.boxed()
         return (args[0], boxed) if len(func._schema.returns) == 2 else boxed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -359,6 +360,45 @@ def test_a_device_ordinal_past_the_emulated_gpus_fails_as_cuda_does(monkeypatch)
         return seen, str(torch.ones(1, device="cuda:1").device)
 
     assert _run(body) == [(2, "cuda:1")] * 2
+
+
+def test_each_world_sees_the_gpus_of_its_own_ranks_per_node():
+    """Issue 38: the GPU count follows the world that runs, not the first world of the process."""
+
+    def body():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return torch.cuda.device_count(), str(torch.ones(1, device="cuda").device)
+
+    assert _run(body, 2) == [(8, f"cuda:{r}") for r in range(2)]
+    assert _run(body, 16) == [(16, f"cuda:{r}") for r in range(16)]
+    # two nodes of 8 ranks: 8 GPUs each, as torchrun's LOCAL_RANK addresses them
+    assert _run(body, 16, nnodes=2) == [(8, f"cuda:{r % 8}") for r in range(16)]
+
+
+def test_a_thread_a_rank_starts_sees_its_world_s_gpus():
+    """A thread no world entered (a DataLoader's pin-memory thread) answers with the newest emulation."""
+
+    def body():
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.cuda.device_count()))
+        thread.start()
+        thread.join(30)
+        return seen
+
+    assert _run(body, 12) == [[12]] * 12
+
+
+def test_a_world_started_inside_an_emulating_world_is_sized_for_itself():
+    """A world started from a rank emulates as its caller does, with its own GPU count (issue 38)."""
+
+    def inner():
+        torch.cuda.set_device(dist.get_rank())
+        return torch.cuda.device_count()
+
+    def outer():
+        return torch.cuda.device_count(), meshsim.run(inner, 16)
+
+    assert _run(outer, 2) == [(8, [16] * 16)] * 2
 
 
 def test_the_environment_variable_turns_it_on_for_run(monkeypatch):

@@ -53,3 +53,66 @@ def test_a_bad_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--mesh-cuda=gpu")
     result.stderr.fnmatch_lines(["*--mesh-cuda: cuda must be 'cpu'*'cuda:N'*got 'gpu'*"])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+WORLDS = """
+import os, pytest, torch
+import meshsim
+
+@pytest.mark.world(2)
+def test_two(rank):
+    torch.cuda.set_device(rank)
+    assert torch.cuda.device_count() == 8
+
+@pytest.mark.world(16)
+def test_sixteen(rank):
+    torch.cuda.set_device(rank)
+    x = torch.ones(1, device="cuda")
+    assert x.device == torch.device("cuda", rank)
+    assert torch.cuda.device_count() == 16
+
+def test_the_pytest_process_emulates_for_the_default_world_size():
+    assert torch.cuda.device_count() == 8
+
+def test_the_setting_travels_as_a_value_not_through_the_environment():
+    assert "MESHSIM_CUDA" not in os.environ
+
+def test_a_world_started_here_emulates_as_this_process_does():
+    def body():
+        return str(torch.ones(1, device="cuda").device), torch.cuda.device_count()
+
+    assert meshsim.run(body, 12) == [("cuda:0", 12)] * 12
+"""
+
+
+def test_each_world_sees_as_many_gpus_as_its_ranks_per_node(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38: a world larger than the first one of the session (rank 8 of @world(16)) gets its GPU."""
+    monkeypatch.delenv("MESHSIM_CUDA", raising=False)
+    monkeypatch.delenv("MESHSIM_CUDA_DEVICES", raising=False)
+    pytester.makepyfile(test_worlds=WORLDS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mesh-cuda=cpu")
+    result.assert_outcomes(passed=5)
+
+
+SPAWNED = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.world(2, backend="spawn")
+def test_spawned_ranks_emulate(rank):
+    torch.cuda.set_device(rank)
+    x = torch.full((2,), float(rank), device="cuda")
+    dist.all_reduce(x)
+    assert x.device == torch.device("cuda", rank) and x.tolist() == [1.0, 1.0]
+"""
+
+
+@pytest.mark.slow  # two spawned rank processes, each importing torch
+def test_spawned_ranks_are_handed_the_emulation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MESHSIM_CUDA", raising=False)
+    pytester.makepyfile(test_spawned=SPAWNED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mesh-cuda=cpu", "--mesh-timeout=120")
+    result.assert_outcomes(passed=1)

@@ -28,38 +28,45 @@ device story:
   and the CUDA RNG per rank and device (seed and offset, as CUDA's Philox state:
   16 bytes, so DTensor's offset-based RNG tracker works).
 
+The setting is a value (:class:`Spec`), resolved once where options are (:func:`resolve`)
+and carried into the world that uses it; a world sizes it to its ranks per node. Each
+thread that emulates has its dispatch mode, which carries its spec, in its rank context
+(``current().cuda``, :func:`enter_rank`); ``torch.cuda``'s stand-ins answer from it.
 The per-rank part (the current device, each device's generator, the memory counters)
 is one entry of the hand-over registry (:mod:`meshsim._process.handover`). What is
 changed process-wide (``torch.cuda``'s functions, ``torch.Tensor``'s device
 properties, ``.to``/``.cuda``/``.cpu``/``pin_memory``, ``_make_wrapper_subclass``) is
-made by the first :func:`acquire` and undone by the last :func:`release`.
+made by :func:`changes` for the one list of process-wide changes
+(:func:`meshsim._process.patches.install_cuda`): by the first user, undone by the last.
 
 Private torch names used, checked in torch 2.13: ``torch._C.TensorBase``'s ``device``,
 ``is_cuda`` and ``to`` descriptors, ``torch.Tensor._make_wrapper_subclass``,
 ``torch.cuda._lazy_init``, ``TorchDispatchMode.ignore_compile_internals`` (absent in
 older releases: torch.compile then runs its function eagerly under emulation).
 
-Modules: :mod:`.spec` (what is emulated, what is installed), :mod:`.rank` (each rank's
-GPUs, the registry entry), :mod:`.tensors` (tags, the dispatch mode, torch.Tensor's
-Python face), :mod:`.api` (``torch.cuda``'s stand-ins), :mod:`.install` (process-wide
-install and undo, threads, child processes).
+Modules: :mod:`.spec` (what is emulated: the value, resolved and sized), :mod:`.rank`
+(each rank's GPUs, the registry entry), :mod:`.tensors` (tags, the dispatch mode,
+torch.Tensor's Python face), :mod:`.api` (``torch.cuda``'s stand-ins), :mod:`.install`
+(the process-wide changes, each thread's mode). Child processes:
+:mod:`meshsim._process.children`.
 """
 
 from __future__ import annotations
 
-from meshsim._process.cuda.install import acquire, emulate_in_process, enter_rank, leave_rank, release
-from meshsim._process.cuda.spec import Spec, devices_wanted, from_environment, parse
+from meshsim._process.cuda.install import changes, emulated_here, enter_rank, leave_rank
+from meshsim._process.cuda.spec import IN_USE, Spec, devices_from_environment, parse, resolve, spec_here
 from meshsim._process.cuda.tensors import device_of
 
 __all__ = [
+    "IN_USE",
     "Spec",
-    "acquire",
+    "changes",
     "device_of",
-    "devices_wanted",
-    "emulate_in_process",
+    "devices_from_environment",
+    "emulated_here",
     "enter_rank",
-    "from_environment",
     "leave_rank",
     "parse",
-    "release",
+    "resolve",
+    "spec_here",
 ]

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from meshsim._base.context import current
+from meshsim._process.cuda import compiler
 from meshsim._process.cuda.rank import Generator, check_ordinal, device_count, index_of, now
-from meshsim._process.cuda.spec import ACTIVE, Spec
+from meshsim._process.cuda.spec import Spec, spec_here
 from meshsim._process.cuda.tensors import device_of
 
 __all__ = ["stand_ins"]
+
+_HERE = current()  # one object; its fields are per thread
 
 # -- torch.cuda -------------------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ def _memory_stats(device: Any = None) -> dict[str, int]:
 
 
 def _mem_get_info(device: Any = None) -> tuple[int, int]:
-    spec = ACTIVE.spec
+    spec = spec_here()
     total = spec.memory if spec is not None else 0
     return max(0, total - _memory_allocated(device)), total
 
@@ -243,19 +246,25 @@ class _Generators:
 
 
 class _Nvtx:
-    """``torch.cuda.nvtx``: ranges and marks have nowhere to go without a profiler: accepted, dropped."""
+    """``torch.cuda.nvtx``: ranges and marks have nowhere to go without a profiler: accepted, dropped.
 
-    def __init__(self) -> None:
-        self._depth = threading.local()
+    The depth of open ranges is the calling thread's (kept on its emulation, in the rank context).
+    """
 
     def range_push(self, msg: str) -> int:
-        depth = getattr(self._depth, "value", 0)
-        self._depth.value = depth + 1
+        mode = _HERE.cuda
+        if mode is None:
+            return 0
+        depth: int = mode.nvtx_depth
+        mode.nvtx_depth = depth + 1
         return depth
 
     def range_pop(self) -> int:
-        depth = getattr(self._depth, "value", 0)
-        self._depth.value = max(0, depth - 1)
+        mode = _HERE.cuda
+        if mode is None:
+            return -1
+        depth: int = mode.nvtx_depth
+        mode.nvtx_depth = max(0, depth - 1)
         return depth - 1
 
     def range_start(self, msg: str) -> int:
@@ -276,11 +285,18 @@ class _Nvtx:
             self.range_pop()
 
 
-def stand_ins(spec: Spec) -> dict[str, Any]:
-    """``torch.cuda``'s names as a CUDA machine with ``spec.devices`` GPUs answers them, per rank."""
+def _spec() -> Spec:
+    spec = spec_here()
+    if spec is None:  # a stand-in called after the emulation was undone (a reference kept)
+        raise RuntimeError("torch.cuda is not emulated in this thread: meshsim's CUDA emulation has ended")
+    return spec
+
+
+def stand_ins() -> dict[str, Any]:
+    """``torch.cuda``'s names as a CUDA machine answers them: the calling thread's spec, its rank's state."""
 
     def get_device_properties(device: Any = None) -> _Properties:
-        return _Properties(spec, check_ordinal(index_of(device)))
+        return _Properties(_spec(), check_ordinal(index_of(device)))
 
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:
         return _generator_of(device).get_state()
@@ -288,8 +304,11 @@ def stand_ins(spec: Spec) -> dict[str, Any]:
     def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
         _generator_of(device).set_state(new_state)
 
+    def capability(device: Any = None) -> tuple[int, int]:
+        return _spec().capability
+
     return {
-        "is_available": lambda: True,
+        "is_available": compiler.is_available,
         "is_initialized": lambda: True,
         "_lazy_init": lambda: None,
         "init": lambda: None,
@@ -299,10 +318,10 @@ def stand_ins(spec: Spec) -> dict[str, Any]:
         "device": _DeviceContext,
         "device_of": _DeviceOf,
         "synchronize": lambda device=None: None,
-        "get_device_name": lambda device=None: spec.name,
-        "get_device_capability": lambda device=None: spec.capability,
+        "get_device_name": lambda device=None: _spec().name,
+        "get_device_capability": capability,
         "get_device_properties": get_device_properties,
-        "get_arch_list": lambda: [f"sm_{spec.capability[0]}{spec.capability[1]}"],
+        "get_arch_list": lambda: ["sm_{}{}".format(*_spec().capability)],
         "is_bf16_supported": lambda including_emulation=True: True,
         "Stream": _Stream,
         "Event": _Event,

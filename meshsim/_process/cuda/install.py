@@ -1,77 +1,54 @@
-"""The emulation installed process-wide (and undone), in the threads that emulate, in child processes."""
+"""The emulation's process-wide changes (kept by :mod:`meshsim._process.patches`), and each thread's mode."""
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import sys
-import threading
-import traceback
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from meshsim._base.context import current
-from meshsim._process.cuda import api, rank, tensors
-from meshsim._process.cuda.spec import ACTIVE, Spec, parse
+from meshsim._process.cuda import api, compiler, graphs, rank, tensors
+from meshsim._process.cuda.spec import IN_USE, Spec, spec_here
 
-__all__ = ["acquire", "emulate_in_process", "enter_rank", "leave_rank", "release", "run_spawned"]
+__all__ = ["changes", "emulated_here", "enter_rank", "leave_rank"]
 
-# -- install and undo -----------------------------------------------------------------------
+# -- the process-wide changes ---------------------------------------------------------------
 
 
-def acquire(spec: Spec) -> None:
-    """Install the emulation (the first user), or check that ``spec`` is the one installed.
+def changes(spec: Spec) -> list[Callable[[], None]]:
+    """Make the emulation's process-wide changes for ``spec``'s storage; returns their undo steps, in order.
 
-    Raises:
-        ValueError: another emulation is installed (worlds overlapping with different ones).
+    What is changed does not depend on the GPU count or the name: the stand-ins ask the
+    calling thread's spec (:func:`meshsim._process.cuda.spec.spec_here`) when called. The
+    caller (:mod:`meshsim._process.patches`, the one list of process-wide changes) keeps
+    the steps and undoes them in reverse; on a failure here, what was made is undone.
     """
-    with ACTIVE.lock:
-        if ACTIVE.users:
-            assert ACTIVE.spec is not None
-            if ACTIVE.spec.storage != spec.storage:
-                raise ValueError(
-                    f"CUDA is emulated as {ACTIVE.spec} already; a world cannot emulate {spec} "
-                    "at the same time"
-                )
-            ACTIVE.users += 1
-            return
-        _install(spec)
-        ACTIVE.users = 1
-
-
-def release() -> None:
-    """Undo one :func:`acquire`; the last one out puts torch back as it was."""
-    with ACTIVE.lock:
-        ACTIVE.users -= 1
-        if ACTIVE.users == 0:
-            while ACTIVE.undo:
-                ACTIVE.undo.pop()()
-            ACTIVE.spec = None
-
-
-def _install(spec: Spec) -> None:
-    undo = ACTIVE.undo
+    undo: list[Callable[[], None]] = []
+    compiler.import_before_stand_ins()
     try:
         if spec.storage.type == "cuda":
-            ACTIVE.real_generators = tuple(torch.cuda.default_generators)
-        ACTIVE.spec = spec
-        for name, value in api.stand_ins(spec).items():
+            IN_USE.real_generators = tuple(torch.cuda.default_generators)
+        for name, value in api.stand_ins().items():
             undo.append(_set_attr(torch.cuda, name, value))
         rank.declare_per_rank()
         tensors.register_higher_order_ops()
-        for owner, name, value in tensors.patches():
+        for owner, name, value in (
+            *tensors.patches(),
+            *graphs.patches(),
+            *compiler.patches(spec, emulating),
+        ):
             undo.append(_set_attr(owner, name, value))
-        undo.append(_children_emulate(spec))
+        undo.append(compiler.forget_cached_answers())
+        undo.append(_children_emulate())
         if spec.storage.type == "cpu":
             undo.extend(_groups_on_the_storage())
     except BaseException:
         while undo:
             undo.pop()()
-        ACTIVE.spec = None
         raise
+    return undo
 
 
 _MISSING: Any = object()
@@ -93,90 +70,32 @@ def _set_attr(owner: Any, name: str, value: Any) -> Callable[[], None]:
 # -- processes user code starts -------------------------------------------------------------------
 
 
-def _children_emulate(spec: Spec) -> Callable[[], None]:
+def _children_emulate() -> Callable[[], None]:
     """Processes started with multiprocessing's ``spawn`` (``torch.multiprocessing.spawn``) emulate too.
 
     Such a child is a new interpreter that runs ``-c "...spawn_main(...)"``: the program
-    runs inside :func:`run_spawned`, which emulates first. Checked with Python 3.10-3.13's
-    ``multiprocessing.spawn.get_command_line``.
+    runs inside :func:`meshsim._process.children.run_spawned`, which emulates first, as
+    the starting thread does (its spec, sized for its world). Checked with Python
+    3.10-3.13's ``multiprocessing.spawn.get_command_line``.
     """
     import multiprocessing.spawn as mp_spawn
 
     original = mp_spawn.get_command_line
-    storage = "cpu" if spec.storage.type == "cpu" else str(spec.storage)
 
     def get_command_line(**kwds: Any) -> list[str]:
         line = list(original(**kwds))
-        if "-c" in line:
+        spec = spec_here()
+        if "-c" in line and spec is not None:
             at = line.index("-c") + 1
             cpus = current().child_cpus  # started from a rank pinned to one CPU: the caller's CPUs
             line[at] = (
-                "import meshsim._process.cuda.install as _c; "
-                f"_c.run_spawned({storage!r}, {spec.devices}, {line[at]!r}, "
+                "import meshsim._process.children as _c; "
+                f"_c.run_spawned({spec.text!r}, {spec.count}, {line[at]!r}, "
                 f"{sorted(cpus) if cpus is not None else None!r})"
             )
         return line
 
     return _set_attr(mp_spawn, "get_command_line", get_command_line)
-
-
-def emulate_in_process(storage: str, devices: int) -> None:
-    """Emulate CUDA in this whole process (a child user code started); not undone: the child owns it."""
-    spec = parse(storage, devices=devices)
-    if spec is not None:
-        acquire(spec)
-        enter_rank()
-
-
-def run_spawned(storage: str, devices: int, program: str, cpus: list[int] | None = None) -> NoReturn:
-    """Run a spawned child's ``-c`` program with CUDA emulated; end the process without finalizing it.
-
-    ``cpus``: where the child runs, when a rank pinned to one CPU started it (as a forked
-    child does, see :mod:`meshsim._engine.affinity`).
-
-    The child ends as multiprocessing's ``fork`` children do (``os._exit``), once its
-    atexit handlers have run and its output is flushed, with the status the program
-    exited with. Why not a normal interpreter exit: a process group the child made
-    outlives ``destroy_process_group`` under emulation (torch keeps the group of a c10d
-    op that passed through a Python dispatch mode, checked torch 2.11-2.14), so its gloo
-    worker threads still run while the interpreter tears down and C++ static destructors
-    run. Such a child was seen to abort (SIGABRT, "terminate called without an
-    active exception"); meshsim's own spawned ranks end with ``os._exit`` for the same
-    reason (:mod:`meshsim._modes.spawn`).
-    """
-    import __main__
-
-    if cpus is not None:
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError:
-            pass  # the child keeps the rank's CPU: slower, not wrong
-    emulate_in_process(storage, devices)
-    try:
-        exec(compile(program, "<string>", "exec"), vars(__main__))  # what ``python -c`` does
-        status = 0
-    except SystemExit as stop:
-        status = _exit_status(stop.code)
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    atexit._run_exitfuncs()  # what finalizing would have run first (CPython 3.10-3.13)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    os._exit(status)
-
-
-def _exit_status(code: object) -> int:
-    """The process status ``SystemExit(code)`` ends a program with, as the interpreter reckons it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 def _groups_on_the_storage() -> list[Callable[[], None]]:
@@ -224,24 +143,36 @@ def _simulated_rank() -> bool:
 
 # -- per thread ---------------------------------------------------------------------------------
 
-_modes = threading.local()
+_HERE = current()  # one object; its fields are per thread
 
 
-def enter_rank() -> None:
-    """Emulate CUDA in the calling thread (a rank, or a pytest process that emulates): push the mode."""
-    spec = ACTIVE.spec
-    if spec is None:
-        return
-    mode = tensors.CudaMode(spec)
+def enter_rank(spec: Spec, asked: Spec | None = None) -> None:
+    """Emulate ``spec`` in the calling thread (a rank, the pytest process, a child): push its mode.
+
+    The mode is the thread's emulation in its rank context (``current().cuda``), on top
+    of the one it had (restored by :func:`leave_rank`). ``asked``: the spec before a
+    world sized it, which worlds this thread starts inherit. Needs the process-wide
+    changes in place (:func:`meshsim._process.patches.install_cuda`).
+    """
+    mode = tensors.CudaMode(spec, asked, outer=_HERE.cuda)
     mode.__enter__()  # type: ignore[no-untyped-call]
-    stack = getattr(_modes, "stack", None)
-    if stack is None:
-        stack = _modes.stack = []
-    stack.append(mode)
+    _HERE.cuda = mode
 
 
 def leave_rank() -> None:
-    """Undo :func:`enter_rank` in the calling thread."""
-    stack = getattr(_modes, "stack", None)
-    if stack:
-        stack.pop().__exit__(None, None, None)
+    """Undo the calling thread's last :func:`enter_rank`."""
+    mode = _HERE.cuda
+    if mode is not None:
+        _HERE.cuda = mode.outer
+        mode.__exit__(None, None, None)
+
+
+def emulating() -> bool:
+    """Whether the calling thread emulates CUDA (between :func:`enter_rank` and :func:`leave_rank`)."""
+    return _HERE.cuda is not None
+
+
+def emulated_here() -> Spec | None:
+    """What the calling thread emulates, as it was asked for (before sizing): None where it does not."""
+    mode = _HERE.cuda
+    return mode.asked if mode is not None else None  # type: ignore[no-any-return]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from meshsim._process.cuda.spec import ACTIVE, CPU
+from meshsim._process.cuda.spec import CPU, spec_here
 from meshsim._process.handover import declare_accessor
 
 __all__ = ["Generator", "Rank", "check_ordinal", "declare_per_rank", "device_count", "index_of", "now"]
@@ -153,5 +153,6 @@ def check_ordinal(index: int) -> int:
 
 
 def device_count() -> int:
-    spec = ACTIVE.spec
-    return spec.devices if spec is not None else 0
+    """The GPUs the calling thread's emulation has (its world's: see :meth:`Spec.sized`)."""
+    spec = spec_here()
+    return spec.count if spec is not None else 0

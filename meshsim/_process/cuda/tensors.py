@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -13,8 +13,10 @@ import torch._guards
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshsim._base.context import current
+from meshsim._process.cuda import hops
 from meshsim._process.cuda.rank import Rank, check_ordinal, now
-from meshsim._process.cuda.spec import ACTIVE, CPU, REAL_CUDA, Spec
+from meshsim._process.cuda.spec import CPU, IN_USE, REAL_CUDA, Spec, spec_here
 
 __all__ = ["CudaMode", "device_of", "patches"]
 
@@ -30,15 +32,26 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 _tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a frame
+_compiling = torch.compiler.is_compiling  # True in the code Dynamo traces
+_HERE = current()  # one object; its fields (``cuda``: the thread's CudaMode) are per thread
 
 
 def device_of(tensor: torch.Tensor) -> torch.device:
     """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
+    if _compiling():
+        # Dynamo traces this getter where it cannot read ``.device`` itself (a tensor with a
+        # ``__torch_function__``, as flex attention's inputs): the storage, as it compiles
+        # for, in a form it folds to a constant (torch 2.13-2.14) instead of a graph break.
+        return cast(torch.device, _REAL_DEVICE.__get__(tensor))
     tag: torch.device | None = getattr(tensor, _TAG, None)
-    if tag is not None and not getattr(_kernel, "depth", 0):
+    mode = _HERE.cuda
+    if tag is not None and (mode is None or not mode.depth):
         # While torch.compile compiles (a frame's tracing context or a fake mode on), the
-        # compiler sees the storage it compiles for.
-        if _get_dispatch_mode(_FAKE) is None and _tracing() is None:
+        # compiler sees the storage it compiles for; so does torch's own code that runs
+        # with the dispatch modes off (a higher-order operator's autograd making its
+        # graph's inputs: torch.empty_strided(..., device=t.device), torch 2.13-2.14).
+        shown = _mode_on() or (mode is not None and mode.printing)
+        if shown and _get_dispatch_mode(_FAKE) is None and _tracing() is None:
             return tag
         return cast(torch.device, _REAL_DEVICE.__get__(tensor))
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
@@ -49,6 +62,35 @@ def device_of(tensor: torch.Tensor) -> torch.device:
             if isinstance(inner, torch.Tensor):
                 return device_of(inner)
     return cast(torch.device, _REAL_DEVICE.__get__(tensor))
+
+
+def _mode_on() -> bool:
+    """Whether the calling thread's dispatch modes include the emulation's (torch can turn them off)."""
+    for depth in range(_stack_len()):
+        if isinstance(_stack_at(depth), CudaMode):
+            return True
+    return False
+
+
+_stack_len = torch._C._len_torch_dispatch_stack
+_stack_at = torch._C._get_dispatch_stack_at
+
+
+def _printed_with_tags(original: Callable[..., str]) -> Callable[..., str]:
+    """``torch._tensor_str._str`` (a tensor's repr, made with the modes off) says ``device='cuda:k'``."""
+
+    @functools.wraps(original)
+    def _str(*args: Any, **kwargs: Any) -> str:
+        mode = _HERE.cuda
+        if mode is None:
+            return original(*args, **kwargs)
+        mode.printing += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mode.printing -= 1
+
+    return _str
 
 
 def _tag(value: Any, device: torch.device) -> None:
@@ -93,7 +135,6 @@ def cuda_device(device: Any) -> torch.device | None:
 # op -> (allocates new storage, draws random numbers, has a CUDA kernel and no CPU one)
 _op_facts: dict[Any, tuple[bool, bool, bool]] = {}
 _CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
-_kernel = threading.local()  # depth: how many ops this thread's mode is running now
 
 
 def _facts(func: Any) -> tuple[bool, bool, bool]:
@@ -131,11 +172,30 @@ def _first_tag(args: Any) -> torch.device | None:
 
 
 class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Every aten op of a thread that emulates CUDA: see the module docstring."""
+    """Every aten op of a thread that emulates CUDA; the thread's emulation (its rank context's ``cuda``).
 
-    def __init__(self, spec: Spec) -> None:
+    Attributes:
+        spec: what the thread emulates, sized for its world (``torch.cuda`` answers from it).
+        asked: the spec as asked for, before sizing: what a world the thread starts inherits.
+        depth: how many ops the mode runs now in this thread (inside one, kernels see storage).
+        nvtx_depth: the thread's open ``torch.cuda.nvtx`` ranges.
+        capture: the ops of the CUDA graph the thread captures now, recorded as they run
+            (None: no capture; see :mod:`meshsim._process.cuda.graphs`).
+        outer: the thread's emulation before this one (None: it did not emulate).
+    """
+
+    # higher-order operators (flex attention, cond, while_loop...) come here too: see .hops
+    supports_higher_order_operators = True
+
+    def __init__(self, spec: Spec, asked: Spec | None = None, outer: CudaMode | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.spec = spec
+        self.asked = asked if asked is not None else spec
+        self.depth = 0
+        self.nvtx_depth = 0
+        self.capture: list[Any] | None = None
+        self.outer = outer
+        self.printing = 0  # a tensor's repr runs with the modes off, and says its tag
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -144,6 +204,17 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if hops.is_higher_order(func):
+            return hops.run(
+                self,
+                func,
+                args,
+                kwargs or {},
+                first_tag=_first_tag,
+                tag=_tag,
+                kernel=_in_kernel,
+                user_code=_out_of_kernel,
+            )
         for kind in types:
             if kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 if issubclass(kind, _FakeTensor):
@@ -153,7 +224,7 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 # A subclass (DTensor, ShardTensor) handles the op; this mode stays on for
                 # the ops its handler runs on the inner tensors, which carry the tags.
                 return NotImplemented
-        kwargs = kwargs or {}
+        kwargs = given = kwargs or {}
         if func is _RECORD_STREAM:
             return None  # every kernel is done already: nothing to keep alive
         if func is _IS_PINNED:
@@ -177,7 +248,10 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         allocates, seeded, cuda_only = _facts(func)
         # Python kernels the op runs (a torch.library custom op's) see the storage device,
         # as kernels do: what they make is tagged on the way out.
-        _kernel.depth = depth = getattr(_kernel, "depth", 0) + 1
+        depth = self.depth
+        self.depth = depth + 1
+        capture = self.capture
+        recorded = len(capture) if capture is not None else 0
         try:
             if target is not None and func in _ON_CPU:
                 out = _ON_CPU[func](*args, **kwargs)  # a CUDA-only kernel, computed by the CPU's
@@ -188,14 +262,45 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 out = func(*args, **kwargs)
         finally:
-            _kernel.depth = depth - 1
+            self.depth = depth
         if target is not None:
             _tag(out, target)
             if allocates:
                 _count(out, target)
         elif pinned:
             setattr(out, _PINNED, True)
+        if capture is not None and len(capture) == recorded:
+            # a CUDA graph's capture: replay runs the op again (or what it noted running, if anything)
+            capture.append((func, args, given, out))
         return out
+
+
+@contextlib.contextmanager
+def _in_kernel() -> Iterator[None]:
+    """Code that runs as a kernel (a higher-order operator's own): tensors say their storage device."""
+    mode = _HERE.cuda
+    if mode is None:
+        yield
+        return
+    mode.depth += 1
+    try:
+        yield
+    finally:
+        mode.depth -= 1
+
+
+@contextlib.contextmanager
+def _out_of_kernel() -> Iterator[None]:
+    """User code a kernel calls back (a higher-order operator's function): tensors say their tag."""
+    mode = _HERE.cuda
+    if mode is None:
+        yield
+        return
+    depth, mode.depth = mode.depth, 0
+    try:
+        yield
+    finally:
+        mode.depth = depth
 
 
 def _efficient_attention(
@@ -262,7 +367,9 @@ def _dtensor_rng(mode: CudaMode, start: int, end: int, op: Any, *args: Any, **kw
     by ``start``, and leaves it at the old offset plus ``end``.
     """
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    device = device_of(first) if first is not None else torch.device("cuda", now().current)
+    # the mode is off here: device_of would say the storage
+    tag = getattr(first, _TAG, None) if first is not None else None
+    device = tag if tag is not None else torch.device("cuda", now().current)
     generator = now().generator(device.index or 0)
     old = generator.offset
     generator.offset = old + start
@@ -290,7 +397,7 @@ def _seeded(spec: Spec, func: Any, args: Any, kwargs: Any, device: torch.device)
     """Run a random op on the rank's generator of ``device``: its seed and offset pick the numbers."""
     gen = now().generator(device.index or 0)
     if spec.storage.type == "cuda":
-        real = ACTIVE.real_generators[spec.storage.index or 0]
+        real = IN_USE.real_generators[spec.storage.index or 0]
         saved = real.get_state()
         real.set_state(gen.get_state())
         try:
@@ -373,8 +480,9 @@ def _parse_to(
 
 
 def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    spec = ACTIVE.spec
-    assert spec is not None
+    spec = spec_here()
+    if spec is None:  # the emulation ended while a reference to this stand-in was kept
+        return cast(torch.Tensor, _REAL_TO(self, *args, **kwargs))
     device, dtype, _non_blocking, memory_format = _parse_to(self, args, kwargs)
     copy = bool(kwargs.get("copy", False))
     options: dict[str, Any] = {"copy": copy}
@@ -407,7 +515,8 @@ def _cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **
 
 
 def _cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if device_of(self).type == "cuda" and ACTIVE.spec is not None and ACTIVE.spec.storage.type == "cpu":
+    spec = spec_here()
+    if device_of(self).type == "cuda" and spec is not None and spec.storage.type == "cpu":
         out = _REAL_TO(self, CPU, copy=True)
         _untag(out)
         return cast(torch.Tensor, out)
@@ -479,6 +588,12 @@ def _autograd_grad_for(original: Callable[..., Any]) -> Callable[..., Any]:
     return grad
 
 
+def _storage() -> torch.device:
+    """Where the calling thread's CUDA tensors live."""
+    spec = spec_here()
+    return spec.storage if spec is not None else CPU
+
+
 def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.tensor`` and its kin, whose ``device=`` torch checks before any op runs."""
 
@@ -487,7 +602,7 @@ def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
         # pinned host memory needs a real GPU's allocator: without one, the tensor says it is pinned
         pinned = bool(kwargs.pop("pin_memory", False)) if REAL_CUDA["is_available"]() is False else False
         if target is not None:
-            kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
+            kwargs["device"] = _storage()
         out = original(*args, **kwargs)
         if target is not None:
             _tag(out, target)
@@ -565,7 +680,7 @@ def _make_wrapper_subclass_for(original: Any) -> Callable[..., Any]:
     def make_wrapper_subclass(cls: Any, *args: Any, **kwargs: Any) -> Any:
         target = cuda_device(kwargs.get("device"))
         if target is not None:
-            kwargs["device"] = ACTIVE.spec.storage if ACTIVE.spec is not None else CPU
+            kwargs["device"] = _storage()
         out = original(cls, *args, **kwargs)
         if target is not None:
             setattr(out, _TAG, target)
@@ -591,7 +706,7 @@ class _UserGenerator(_GeneratorBase, metaclass=_GeneratorKind):
 
     def __new__(cls, device: Any = "cpu") -> _UserGenerator:
         target = cuda_device(device)
-        storage = (ACTIVE.spec.storage if ACTIVE.spec is not None else CPU) if target is not None else device
+        storage = _storage() if target is not None else device
         return _GeneratorBase.__new__(cls, storage)  # type: ignore[call-arg,no-any-return]
 
     def __init__(self, device: Any = "cpu") -> None:
@@ -625,5 +740,6 @@ def patches() -> list[tuple[Any, str, Any]]:
         *((torch, name, _made_on(getattr(torch, name))) for name in ("tensor", "as_tensor", "asarray")),
         (torch, "compile", _compile_for(torch.compile)),
         (torch, "Generator", _UserGenerator),
+        (torch._tensor_str, "_str", _printed_with_tags(torch._tensor_str._str)),
         (torch.autograd, "grad", _autograd_grad_for(torch.autograd.grad)),
     ]

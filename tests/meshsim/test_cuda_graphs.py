@@ -1,0 +1,202 @@
+"""CUDA graphs under CUDA emulation (issue 38): capture records, replay runs again, as eager code would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshsim
+
+
+def _run(fn, world_size=2):
+    return meshsim.run(fn, world_size, cuda="cpu")
+
+
+def test_a_graph_replayed_with_new_inputs_gives_the_eager_results():
+    def body():
+        torch.manual_seed(dist.get_rank())
+        layer = torch.nn.Linear(4, 3).cuda()
+        static_in = torch.zeros(2, 4, device="cuda")
+        layer(static_in)  # warm-up, as frameworks do before a capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_in).relu() * 2 + static_in.sum()
+        same = []
+        for _ in range(3):
+            x = torch.randn(2, 4, device="cuda")
+            static_in.copy_(x)
+            graph.replay()
+            same.append(torch.equal(static_out, layer(x).relu() * 2 + x.sum()))
+        return same, str(static_out.device)
+
+    assert _run(body) == [([True] * 3, "cuda:0")] * 2
+
+
+def test_in_place_updates_captured_in_a_graph_happen_at_every_replay():
+    def body():
+        state = torch.zeros(3, device="cuda")
+        step = torch.ones(3, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            state.add_(step)  # runs once at the capture
+            doubled = state * 2
+        for _ in range(3):
+            graph.replay()
+        return state.tolist(), doubled.tolist()
+
+    assert _run(body, 1) == [([4.0] * 3, [8.0] * 3)]
+
+
+def test_is_current_stream_capturing_answers_truthfully():
+    def body():
+        graph = torch.cuda.CUDAGraph()
+        seen = [torch.cuda.is_current_stream_capturing()]
+        with torch.cuda.graph(graph):
+            seen.append(torch.cuda.is_current_stream_capturing())
+            seen.append(torch.cuda.graphs.is_current_stream_capturing())
+        seen.append(torch.cuda.is_current_stream_capturing())
+        return seen
+
+    assert _run(body, 1) == [[False, True, True, False]]
+
+
+def test_make_graphed_callables_on_a_module_gives_eager_outputs_and_gradients():
+    def body():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)).cuda()
+        eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)).cuda()
+        eager.load_state_dict(model.state_dict())
+        sample = torch.randn(3, 4, device="cuda", requires_grad=True)
+        graphed = torch.cuda.make_graphed_callables(model, (sample,))
+        checks = []
+        for _ in range(3):
+            x = torch.randn(3, 4, device="cuda", requires_grad=True)
+            x_eager = x.detach().clone().requires_grad_()
+            y = graphed(x)
+            y.square().sum().backward()
+            y_eager = eager(x_eager)
+            y_eager.square().sum().backward()
+            grads = zip(model.parameters(), eager.parameters())
+            checks.append(
+                (
+                    torch.allclose(y, y_eager),
+                    torch.allclose(x.grad, x_eager.grad),
+                    all(torch.allclose(p.grad, q.grad) for p, q in grads),
+                    y.device == x.grad.device == torch.device("cuda", 0),
+                )
+            )
+            model.zero_grad()
+            eager.zero_grad()
+        return checks
+
+    assert _run(body, 1) == [[(True, True, True, True)] * 3]
+
+
+@pytest.mark.parametrize("backend", ["sim", "gloo"])
+def test_collectives_captured_in_a_graph_run_again_at_every_replay(backend):
+    """As NCCL's, a captured collective runs at every replay; each run (the capture's too) is recorded."""
+
+    def body():
+        t = torch.ones(2, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with meshsim.record() as ledger:
+            with torch.cuda.graph(graph):
+                t.mul_(2)
+                dist.all_reduce(t)
+            after_capture = t.tolist()
+            graph.replay()
+            graph.replay()
+        return after_capture, t.tolist(), ledger.counts()
+
+    expected = ([4.0, 4.0], [64.0, 64.0], {"all_reduce": 3})
+    assert meshsim.run(body, 2, cuda="cpu", backend=backend) == [expected] * 2
+
+
+def test_functional_collectives_captured_in_a_graph_are_replayed():
+    import torch.distributed._functional_collectives as funcol
+
+    def body():
+        x = torch.full((2,), float(dist.get_rank() + 1), device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = funcol.all_reduce(x, "sum", dist.group.WORLD) * 10
+        x.fill_(5.0)
+        graph.replay()
+        return y.tolist()
+
+    assert _run(body) == [[100.0, 100.0]] * 2
+
+
+def test_misuse_of_a_graph_is_refused_with_what_to_do():
+    def body():
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="holds no capture: capture it first"):
+            graph.replay()
+        with pytest.raises(RuntimeError, match="without capture_begin"):
+            graph.capture_end()
+        with torch.cuda.graph(graph):
+            with pytest.raises(RuntimeError, match="capturing a graph already"):
+                torch.cuda.CUDAGraph().capture_begin()
+        with pytest.raises(RuntimeError, match="reset\\(\\) it first"):
+            graph.capture_begin()
+        graph.reset()
+        with pytest.raises(RuntimeError, match="no cudaGraph_t"):
+            graph.raw_cuda_graph()
+        return "refused"
+
+    assert _run(body, 1) == ["refused"]
+
+
+def test_graphs_are_torch_s_own_again_after_the_world():
+    real = torch.cuda.CUDAGraph
+    _run(lambda: torch.cuda.CUDAGraph().pool(), 1)
+    assert torch.cuda.CUDAGraph is real and torch.cuda.graphs.CUDAGraph is real
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        pytest.param(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), id="sgd"),
+        pytest.param(lambda params: torch.optim.Adam(params, lr=0.01, capturable=True), id="adam"),
+    ],
+)
+def test_a_whole_training_step_captured_in_a_graph_trains_as_eager_code(make_optimizer):
+    """torch's whole-network capture recipe: forward, backward and optimizer step in one graph."""
+
+    def body():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).cuda()
+        eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).cuda()
+        eager.load_state_dict(model.state_dict())
+        optimizer, eager_optimizer = make_optimizer(model.parameters()), make_optimizer(eager.parameters())
+        batches = [(torch.randn(5, 4, device="cuda"), torch.randn(5, 1, device="cuda")) for _ in range(4)]
+        static_x, static_y = (t.clone() for t in batches[0])
+
+        def step(net, opt, x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step(model, optimizer, static_x, static_y)  # warm-up (the optimizer makes its state)
+        step(eager, eager_optimizer, *batches[0])
+        graph = torch.cuda.CUDAGraph()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            static_loss = torch.nn.functional.mse_loss(model(static_x), static_y)
+            static_loss.backward()
+            optimizer.step()
+        step(eager, eager_optimizer, *batches[0])  # the capture's own step
+        losses = []
+        for x, y in batches[1:]:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+            eager_loss = step(eager, eager_optimizer, x, y)
+            losses.append(torch.allclose(static_loss, eager_loss))
+        same = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), eager.parameters()))
+        return losses, same
+
+    assert _run(body, 1) == [([True] * 3, True)]
