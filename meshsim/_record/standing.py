@@ -163,7 +163,11 @@ def verdict(standings: Sequence[Standing], world_size: int) -> Verdict | None:
 
     ``standings`` holds one per rank, in rank order.
     """
-    mismatch = _mismatch(standings)
+    # A rank that raised its own exception is the culprit, as on sim: real ranks run at
+    # once, so where the others stood when it raised is a race (one may be a call ahead),
+    # not a mismatch or a deadlock of their own.
+    raised_own = {s.rank for s in standings if s.state == FAILED}
+    mismatch = None if raised_own else _mismatch(standings)
     if mismatch is not None:
         return mismatch
     states: dict[int, str] = {}
@@ -175,7 +179,9 @@ def verdict(standings: Sequence[Standing], world_size: int) -> Verdict | None:
             states[s.rank] = waiting_text(s.pending.text, s.pending.where(), s.pending.site, missing)
         else:
             states[s.rank] = _describe(s)
-    if not culprits:
+    if raised_own:
+        culprits = raised_own
+    elif not culprits:
         behind = _behind(standings, states)
         silent = {s.rank for s in standings if s.state == SILENT}
         raised = {s.rank for s in standings if s.state == FAILED}
