@@ -141,6 +141,24 @@ def test_the_cuda_rng_is_per_rank_and_per_device_and_apart_from_the_cpu_rng():
     assert (dtype, numel) == (torch.uint8, 16)  # CUDA's layout: seed and offset
 
 
+def test_torch_cuda_submodules_reach_the_emulation_as_torch_cuda_does():
+    """torch.cuda.random.get_rng_state (which Megatron's RNG tracker calls) asks its own module's
+    current_device: every torch.cuda submodule's binding of a replaced name is replaced too."""
+    import torch.cuda.random as cuda_random
+
+    real = cuda_random.current_device
+
+    def body():
+        torch.cuda.set_device(dist.get_rank())
+        torch.cuda.manual_seed(3)
+        state = cuda_random.get_rng_state()
+        cuda_random.set_rng_state(state)
+        return cuda_random.current_device(), state.dtype, torch.equal(state, torch.cuda.get_rng_state())
+
+    assert _run(body) == [(0, torch.uint8, True), (1, torch.uint8, True)]
+    assert cuda_random.current_device is real  # put back with the world
+
+
 def test_streams_events_synchronize_and_memory_statistics():
     def body():
         rank = dist.get_rank()

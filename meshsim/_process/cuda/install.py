@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +31,9 @@ def changes(spec: Spec) -> list[Callable[[], None]]:
     try:
         if spec.storage.type == "cuda":
             IN_USE.real_generators = tuple(torch.cuda.default_generators)
-        for name, value in api.stand_ins().items():
-            undo.append(_set_attr(torch.cuda, name, value))
+        stand_ins = api.stand_ins()
+        for owner, name in _bindings(stand_ins):
+            undo.append(_set_attr(owner, name, stand_ins[name]))
         rank.declare_per_rank()
         tensors.register_higher_order_ops()
         for owner, name, value in (
@@ -52,6 +54,23 @@ def changes(spec: Spec) -> list[Callable[[], None]]:
 
 
 _MISSING: Any = object()
+
+
+def _bindings(stand_ins: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Where ``torch.cuda``'s replaced names are bound: ``torch.cuda`` and each of its submodules
+    that imported the same object (``torch.cuda.random`` calls its own ``current_device``:
+    Megatron's RNG tracker reaches the real runtime through ``torch.cuda.random.get_rng_state``).
+    """
+    found = [(torch.cuda, name) for name in stand_ins]
+    prefix = "torch.cuda."
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith(prefix) or module is None:
+            continue
+        for name in stand_ins:
+            original = getattr(torch.cuda, name, _MISSING)
+            if original is not _MISSING and getattr(module, name, _MISSING) is original:
+                found.append((module, name))
+    return found
 
 
 def _set_attr(owner: Any, name: str, value: Any) -> Callable[[], None]:
