@@ -211,8 +211,12 @@ def _verdict(outcomes: dict[int, _Outcome], world_size: int) -> Verdict | None:
         if standing is None and outcome.kind == "error":  # failed outside the body (set-up)
             last = outcome.text.rstrip().splitlines()[-1:] or [""]
             standing = Standing(rank, FAILED, last[0])
+        elif standing is None and outcome.kind in ("died", "timeout"):
+            # its process exited or outlived the timeout: the rank's own failure, as a
+            # rank that raises is on sim, not a deadlock of the others
+            standing = Standing(rank, FAILED, outcome.text)
         elif standing is None:
-            standing = Standing(rank, SILENT, outcome.text if outcome.kind in ("died", "timeout") else "")
+            standing = Standing(rank, SILENT, "")
         standings.append(standing)
     return verdict(standings, world_size)
 
