@@ -141,6 +141,66 @@ def test_the_cuda_rng_is_per_rank_and_per_device_and_apart_from_the_cpu_rng():
     assert (dtype, numel) == (torch.uint8, 16)  # CUDA's layout: seed and offset
 
 
+def test_a_bare_gpu_ordinal_names_that_gpu_as_on_a_cuda_build():
+    """device=torch.cuda.current_device() (Megatron writes it over a hundred times): the CPU build
+    refuses an int device while parsing, before any mode sees it; under emulation it is cuda:k."""
+
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        here = torch.cuda.current_device()
+        base = torch.ones(2, device="cuda")
+        made = [
+            torch.empty(3, device=here),
+            torch.zeros(2, 2, device=here),
+            torch.arange(4, device=here),
+            torch.full((2,), 1.5, device=here),
+            torch.randn(3, device=here),
+            torch.empty_like(base, device=here),
+            torch.tensor([1.0], device=here),
+            base.new_zeros(3, device=here),
+            base.new_empty((2,), device=here),
+            torch.ones(2).to(here),
+            torch.ones(2).to(device=here),
+            torch.nn.Linear(2, 2).to(here).weight,
+            torch.zeros(1, device=0),
+        ]
+        return [str(tensor.device) for tensor in made]
+
+    assert _run(body) == [["cuda:0"] * 13, ["cuda:1"] * 12 + ["cuda:0"]]
+    with pytest.raises(RuntimeError):  # outside a world, torch's own answer on this machine
+        torch.empty(1, device=0)
+
+
+def test_graph_safe_rng_states_are_shared_or_cloned_as_cuda_s_are():
+    """Megatron's RNG tracker with CUDA graphs: graphsafe_get_state() shares the generator's state,
+    clone_state() copies it, graphsafe_set_state() swaps it in, and a graph accepts a generator."""
+
+    def body():
+        generator = torch.cuda.default_generators[0]
+        generator.manual_seed(11)
+        shared, copied = generator.graphsafe_get_state(), generator.clone_state()
+        torch.rand(8, device="cuda")
+        offset = generator.get_offset()
+        moved = (offset > 0, shared.get_offset() == offset, copied.get_offset())
+        generator.graphsafe_set_state(copied)
+        from_copy = torch.rand(8, device="cuda")
+        generator.graphsafe_set_state(shared)
+        after_swap_back = generator.get_offset() == shared.get_offset()
+        fresh = torch.cuda.default_generators[0].clone_state()
+        fresh.manual_seed(11)
+        generator.graphsafe_set_state(fresh)
+        again = torch.rand(8, device="cuda")
+        torch.cuda.CUDAGraph().register_generator_state(shared)
+        with pytest.raises(TypeError, match="takes a CUDA generator"):
+            torch.cuda.CUDAGraph().register_generator_state(torch.Generator())
+        with pytest.raises(TypeError, match="graphsafe_set_state takes a CUDA generator"):
+            generator.graphsafe_set_state("state")
+        return moved, after_swap_back, torch.equal(from_copy, again)
+
+    assert _run(body) == [((True, True, 0), True, True)] * 2
+
+
 def test_torch_cuda_submodules_reach_the_emulation_as_torch_cuda_does():
     """torch.cuda.random.get_rng_state (which Megatron's RNG tracker calls) asks its own module's
     current_device: every torch.cuda submodule's binding of a replaced name is replaced too."""

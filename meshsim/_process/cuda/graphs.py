@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from meshsim._base.context import current
+from meshsim._process.cuda.rank import Generator
 
 __all__ = ["CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing", "note_call", "patches"]
 
@@ -129,6 +130,22 @@ class CUDAGraph:
 
     def instantiate(self) -> None:
         """Nothing to build: the recording is the graph."""
+
+    def register_generator_state(self, state: Any) -> None:
+        """Accept a CUDA generator (or its ``graphsafe_get_state()``) whose offset replays advance.
+
+        A replay reruns the captured random ops, each drawing from its generator's state as
+        it stands then, so every generator a graph draws from moves on at each replay, as a
+        registered one does on CUDA.
+
+        Raises:
+            TypeError: ``state`` is not an emulated CUDA generator.
+        """
+        if not isinstance(state, Generator):
+            raise TypeError(
+                "CUDAGraph.register_generator_state() takes a CUDA generator "
+                f"(torch.cuda.default_generators[i], or its graphsafe_get_state()), got {state!r}"
+            )
 
     def replay(self) -> None:
         """Run the captured ops again on the graph's tensors.

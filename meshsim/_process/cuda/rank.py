@@ -19,15 +19,46 @@ __all__ = ["Generator", "Rank", "check_ordinal", "declare_per_rank", "device_cou
 DEFAULT_SEED = 67280421310721  # what a new process's generators start from (torch's default seed)
 
 
-class Generator:
-    """One emulated device's CUDA generator: a seed and an offset, as CUDA's Philox generator keeps them."""
+class _State:
+    """A CUDA generator's state: a seed and an offset, as CUDA's Philox generator keeps them."""
 
-    __slots__ = ("device", "offset", "seed")
+    __slots__ = ("offset", "seed")
+
+    def __init__(self, seed: int, offset: int = 0) -> None:
+        self.seed = seed
+        self.offset = offset
+
+
+class Generator:
+    """One emulated device's CUDA generator.
+
+    Its state is an object of its own, as CUDA's is: ``graphsafe_get_state()`` hands out a
+    generator holding this one's state (draws through either move both), and
+    ``graphsafe_set_state(g)`` makes this generator use ``g``'s, as Megatron's RNG tracker
+    does around CUDA graphs; ``clone_state()`` is a generator with a copy.
+    """
+
+    __slots__ = ("_state", "device")
 
     def __init__(self, device: torch.device, seed: int = DEFAULT_SEED) -> None:
         self.device = device
-        self.seed = seed
-        self.offset = 0
+        self._state = _State(seed)
+
+    @property
+    def seed(self) -> int:
+        return self._state.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._state.seed = value
+
+    @property
+    def offset(self) -> int:
+        return self._state.offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self._state.offset = value
 
     def manual_seed(self, seed: int) -> Generator:
         self.seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
@@ -59,6 +90,28 @@ class Generator:
 
     def set_offset(self, offset: int) -> None:
         self.offset = int(offset)
+
+    def clone_state(self) -> Generator:
+        copy = Generator(self.device, self.seed)
+        copy.offset = self.offset
+        return copy
+
+    def graphsafe_get_state(self) -> Generator:
+        shared = Generator(self.device)
+        shared._state = self._state
+        return shared
+
+    def graphsafe_set_state(self, state: Generator) -> Generator:
+        if not isinstance(state, Generator):
+            raise TypeError(
+                "graphsafe_set_state takes a CUDA generator from graphsafe_get_state() or clone_state(), "
+                f"got {_describe(state)}"
+            )
+        self._state = state._state
+        return self
+
+    def __repr__(self) -> str:
+        return f"<emulated CUDA generator of {self.device}: seed {self.seed}, offset {self.offset}>"
 
 
 def _signed(value: int) -> int:

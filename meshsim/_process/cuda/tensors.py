@@ -615,6 +615,62 @@ def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
     return make
 
 
+def _ordinal_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A factory (or ``Tensor.new_*``) whose ``device=`` may be a bare GPU ordinal.
+
+    Training code writes ``torch.empty(n, device=torch.cuda.current_device())``. A CUDA
+    build reads the ordinal as ``cuda:k``; the CPU build asks for its accelerator while
+    parsing the arguments, before any mode sees them, and fails with "Cannot access
+    accelerator device when none is available". An ``int`` device becomes ``cuda:k`` first.
+    """
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if type(device) is int:
+            kwargs["device"] = torch.device("cuda", device)
+        return original(*args, **kwargs)
+
+    make.__name__ = getattr(original, "__name__", "make")
+    make.__qualname__ = getattr(original, "__qualname__", make.__name__)
+    make.__doc__ = getattr(original, "__doc__", None)
+    return make
+
+
+def _ordinal_parse_to(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch._C._nn._parse_to``, which ``Tensor.to(1)`` and ``Module.to(1)`` use: an ordinal is a GPU."""
+
+    def parse_to(*args: Any, **kwargs: Any) -> Any:
+        if args and type(args[0]) is int:
+            args = (torch.device("cuda", args[0]), *args[1:])
+        if type(kwargs.get("device")) is int:
+            kwargs["device"] = torch.device("cuda", kwargs["device"])
+        return original(*args, **kwargs)
+
+    return parse_to
+
+
+@functools.cache
+def _factories_taking_a_device() -> tuple[str, ...]:
+    """``torch``'s functions with a ``device=`` argument, read from aten's schemas (torch 2.11-2.15).
+
+    ``tensor``, ``as_tensor`` and ``asarray`` are left out: :func:`_made_on` wraps them.
+    """
+    found = []
+    for name in dir(torch._C._VariableFunctions):
+        if name.startswith("_") or name in ("tensor", "as_tensor", "asarray"):
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or getattr(torch, name, None) is not getattr(torch._C._VariableFunctions, name):
+            continue
+        overloads = (getattr(packet, overload) for overload in packet.overloads())
+        if any(arg.name == "device" for op in overloads for arg in op._schema.arguments):
+            found.append(name)
+    return tuple(found)
+
+
+_NEW_METHODS = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_zeros")
+
+
 def _compile_for(original: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile`` whose compiled callables give their outputs the device of their first CUDA input.
 
@@ -738,6 +794,9 @@ def patches() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "as_subclass", _keeps_device(torch._C.TensorBase.as_subclass, 0)),
         (torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass_for(make_wrapper))),
         *((torch, name, _made_on(getattr(torch, name))) for name in ("tensor", "as_tensor", "asarray")),
+        *((torch, name, _ordinal_device(getattr(torch, name))) for name in _factories_taking_a_device()),
+        *((torch.Tensor, name, _ordinal_device(getattr(torch._C.TensorBase, name))) for name in _NEW_METHODS),
+        (torch._C._nn, "_parse_to", _ordinal_parse_to(torch._C._nn._parse_to)),
         (torch, "compile", _compile_for(torch.compile)),
         (torch, "Generator", _UserGenerator),
         (torch._tensor_str, "_str", _printed_with_tags(torch._tensor_str._str)),
