@@ -215,3 +215,44 @@ def test_compiled_higher_order_operators_against_eager():
         return str(out.device), str(grad.device), torch.allclose(grad, eager, atol=1e-5)
 
     assert _run(body) == [("cuda:0", "cuda:0", True)]
+
+
+def _tensor_parallel_mlps(device: str):
+    """Two compiled tensor-parallel MLPs of different widths, forward and backward: loss and full grads."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank())
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    torch.manual_seed(0)
+    layers = []
+    for hidden in (32, 48):  # the second width is new to the compiler: fake tensors made afresh
+        mlp = nn.Sequential(nn.Linear(16, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, 16, bias=False))
+        parallelize_module(mlp.to(device), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        layers.append(torch.compile(mlp, backend="aot_eager"))
+    y = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    for mlp in layers:
+        y = mlp(y)
+    loss = y.square().sum()
+    loss.backward()
+    grads = [p.grad.full_tensor().cpu() for mlp in layers for p in mlp.parameters()]
+    return str(y.device), loss.item(), grads
+
+
+@pytest.mark.slow  # Dynamo and AOTAutograd trace two modules, forward and backward, on each rank
+def test_a_compiled_tensor_parallel_mlp_on_each_rank_against_the_cpu():
+    """Each rank's fake tensors are on its own device while it compiles DTensor code.
+
+    DTensor's sharding propagation makes fake inputs with ``device="cuda"``; torch's
+    fake tensors cache by arguments for the whole process, so one rank's fake tensors
+    went to another, and a rank's linear met two devices ("found at least two
+    devices, cuda:0 and cuda:1! Sharding propagation failed for aten.mm.default").
+    """
+    emulated = meshsim.run(_tensor_parallel_mlps, 2, args=("cuda",), cuda="cpu")
+    on_cpu = meshsim.run(_tensor_parallel_mlps, 2, args=("cpu",))
+    assert [device for device, _, _ in emulated] == ["cuda:0", "cuda:1"]
+    for (_, loss, grads), (_, cpu_loss, cpu_grads) in zip(emulated, on_cpu):
+        assert loss == pytest.approx(cpu_loss, rel=1e-6)
+        assert all(torch.allclose(g, c, rtol=1e-5, atol=1e-6) for g, c in zip(grads, cpu_grads))

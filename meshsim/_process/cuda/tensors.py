@@ -32,7 +32,8 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 _tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a frame
-_compiling = torch.compiler.is_compiling  # True in the code Dynamo traces
+_compiling = torch.compiler.is_compiling  # True in the code Dynamo traces (and while AOTAutograd traces)
+_dynamo_traces = torch.compiler.is_dynamo_compiling  # True in the code Dynamo traces only
 _HERE = current()  # one object; its fields (``cuda``: the thread's CudaMode) are per thread
 
 
@@ -616,24 +617,43 @@ def _made_on(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
 
 
 def _ordinal_device(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A factory (or ``Tensor.new_*``) whose ``device=`` may be a bare GPU ordinal.
+    """A factory (or ``Tensor.new_*``) whose ``device=`` may be a bare GPU ordinal, or a bare ``cuda``.
 
     Training code writes ``torch.empty(n, device=torch.cuda.current_device())``. A CUDA
     build reads the ordinal as ``cuda:k``; the CPU build asks for its accelerator while
     parsing the arguments, before any mode sees them, and fails with "Cannot access
     accelerator device when none is available". An ``int`` device becomes ``cuda:k`` first.
+
+    A bare ``"cuda"`` becomes the calling rank's ``cuda:k`` too, where the thread
+    emulates. Torch's fake tensors cache a factory's output by its arguments in one
+    table for the process (``FakeTensorMode.cache``, torch 2.13-2.14), with the default
+    device in the key but not the current CUDA device: one process holds one rank
+    there, but here every rank is a thread of one process, so a bare ``cuda`` would give
+    one rank's fake tensor the device another rank cached (DTensor's sharding
+    propagation makes its fake inputs with ``device=mesh.device_type``, and a compiled
+    tensor-parallel backward failed: "found at least two devices, cuda:1 and cuda:0").
+    Not while Dynamo traces: it compiles ``cuda`` for the storage (:mod:`.compiler`).
     """
 
     def make(*args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
         if type(device) is int:
             kwargs["device"] = torch.device("cuda", device)
+        elif device is not None and not _dynamo_traces() and _HERE.cuda is not None and _is_bare_cuda(device):
+            kwargs["device"] = torch.device("cuda", now().current)
         return original(*args, **kwargs)
 
     make.__name__ = getattr(original, "__name__", "make")
     make.__qualname__ = getattr(original, "__qualname__", make.__name__)
     make.__doc__ = getattr(original, "__doc__", None)
     return make
+
+
+def _is_bare_cuda(device: Any) -> bool:
+    """Whether ``device`` names CUDA without an index (``"cuda"``, ``torch.device("cuda")``)."""
+    if isinstance(device, str):
+        return device == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda" and device.index is None
 
 
 def _ordinal_parse_to(original: Callable[..., Any]) -> Callable[..., Any]:
