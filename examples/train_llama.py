@@ -164,8 +164,7 @@ def compile_block(block):
     backward with tp alone (AttributeError: 'Tensor' object has no attribute '_local_tensor'),
     and with FSDP too its losses leave eager's from the second step. With ``--attention flex``,
     the MLP only: flex attention runs eagerly (see :func:`flex_causal`), and so does the rest of
-    the attention (compiling its rotary embedding alone failed under ``meshsim run`` on 8 ranks:
-    NameError '__compiled_fn_...' in Rotary.forward, the ranks' globals differ).
+    the attention.
     """
     if block.attn.attention != "flex":
         block.attn.compile()

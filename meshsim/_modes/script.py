@@ -133,11 +133,25 @@ def run_target(target: Target) -> RankRun:
     sys.modules["__main__"] = module  # this rank's own (swapped at hand-overs)
     with collecting_regions() as regions, record() as ledger:
         try:
-            exec(target.code, module.__dict__)
+            exec(_own_copy(target.code), module.__dict__)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
     return RankRun(ledger, regions)
+
+
+def _own_copy(code: CodeType) -> CodeType:
+    """A rank's own copy of the script's code, and of every function's and class body's inside it.
+
+    ``torch.compile`` keeps what it compiled for a function on the function's code
+    object (Dynamo's cache entries, torch 2.11-2.15), and the code it runs instead
+    calls the compiled graph by a name it puts in the globals of the frame it compiled
+    (``__compiled_fn_N``). The ranks' ``__main__`` namespaces differ, as each torchrun
+    process's does: one code object shared by the ranks gave a rank another rank's
+    entry, whose name its own globals lack (``NameError: __compiled_fn_...``).
+    """
+    consts = tuple(_own_copy(c) if isinstance(c, CodeType) else c for c in code.co_consts)
+    return code.replace(co_consts=consts)
 
 
 def exit_status(error: BaseException) -> int:

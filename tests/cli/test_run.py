@@ -271,3 +271,83 @@ def test_the_command_line_entry_points(script: str) -> None:
     help_text = subprocess.run([str(console), "run", "--help"], capture_output=True, text=True, timeout=120)
     for option in ("--nproc-per-node", "--nnodes", "--cost", "--ledger", "--trace", "--local-ranks-filter"):
         assert option in help_text.stdout
+
+
+COMPILED = """
+import json, os
+import torch, torch.distributed as dist
+from torch import nn
+
+SCALE = 2.0
+
+
+def double(x):
+    return torch.sin(x) * SCALE
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return double(self.lin(x))
+
+
+device = "cuda" if torch.cuda.is_available() else "cpu"  # under --cuda cpu: emulated
+if device == "cuda":
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group()
+rank = dist.get_rank()
+torch.manual_seed(rank)
+net = Net().to(device)
+x = torch.ones(2, 4, device=device) * (rank + 1)
+eager = [net(x).sum().item(), double(x).sum().item()]
+compiled_net = torch.compile(net, backend="eager")  # Dynamo alone: its cache and its names
+compiled = [compiled_net(x).sum().item(), torch.compile(double, backend="eager")(x).sum().item()]
+dist.barrier()
+print("OUT " + json.dumps([rank, compiled == eager, str(compiled_net(x).device)]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # Dynamo traces a module and a function on each rank (seconds on 2 loaded cores)
+@pytest.mark.parametrize("cuda", [None, "cpu"])
+def test_torch_compile_of_the_scripts_own_module_and_function_on_every_rank(
+    cuda: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank compiles its own ``__main__``'s code, as each torchrun process does.
+
+    Dynamo keeps what it compiled on the function's code object and calls it by a name it
+    puts in the compiling frame's globals: ranks that shared the script's code objects
+    but not their ``__main__`` got another rank's entry (``NameError: __compiled_fn_...``).
+    """
+    path = tmp_path / "compiled.py"
+    path.write_text(COMPILED)
+    emulate = ["--cuda", cuda] if cuda else []
+    status = main(["run", "--nproc-per-node", "2", "--timeout", "120", *emulate, str(path)])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    device = "cuda:{}" if cuda else "cpu"
+    outs = sorted(json.loads(line.partition(":OUT ")[2]) for line in out.splitlines() if ":OUT " in line)
+    assert outs == [[rank, True, device.format(rank)] for rank in range(2)]
+
+
+def test_each_rank_runs_its_own_copy_of_the_scripts_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A function the script defines has a code object per rank (torch.compile's cache lives there)."""
+    path = tmp_path / "codes.py"
+    path.write_text(
+        "import json, torch.distributed as dist\n"
+        "def f():\n    return 1\n"
+        "class C:\n    def g(self):\n        return 2\n"
+        "dist.init_process_group()\n"
+        "print('CODES ' + json.dumps([id(f.__code__), id(C.g.__code__), f() + C().g()]))\n"
+        "dist.barrier()  # every rank's module is alive while the others print\n"
+    )
+    assert main(["run", "--nproc-per-node", "3", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line.partition(":CODES ")[2]) for line in lines if ":CODES " in line]
+    assert len(rows) == 3 and all(row[2] == 3 for row in rows)
+    assert len({row[0] for row in rows}) == 3 and len({row[1] for row in rows}) == 3
