@@ -33,19 +33,20 @@ def test_a_graph_replayed_with_new_inputs_gives_the_eager_results():
     assert _run(body) == [([True] * 3, "cuda:0")] * 2
 
 
-def test_in_place_updates_captured_in_a_graph_happen_at_every_replay():
+def test_in_place_updates_captured_in_a_graph_happen_at_every_replay_and_not_at_the_capture():
     def body():
         state = torch.zeros(3, device="cuda")
         step = torch.ones(3, device="cuda")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            state.add_(step)  # runs once at the capture
+            state.add_(step)  # a capture launches nothing on CUDA: state stays 0 until a replay
             doubled = state * 2
+        after_capture = state.tolist()
         for _ in range(3):
             graph.replay()
-        return state.tolist(), doubled.tolist()
+        return after_capture, state.tolist(), doubled.tolist()
 
-    assert _run(body, 1) == [([4.0] * 3, [8.0] * 3)]
+    assert _run(body, 1) == [([0.0] * 3, [3.0] * 3, [6.0] * 3)]
 
 
 def test_is_current_stream_capturing_answers_truthfully():
@@ -95,7 +96,10 @@ def test_make_graphed_callables_on_a_module_gives_eager_outputs_and_gradients():
 
 @pytest.mark.parametrize("backend", ["sim", "gloo"])
 def test_collectives_captured_in_a_graph_run_again_at_every_replay(backend):
-    """As NCCL's, a captured collective runs at every replay; each run (the capture's too) is recorded."""
+    """As NCCL's, a captured collective runs at every replay; each run (the capture's too) is recorded.
+
+    The capture's own run changes no value: ``t`` is as before it until the first replay.
+    """
 
     def body():
         t = torch.ones(2, device="cuda")
@@ -109,7 +113,7 @@ def test_collectives_captured_in_a_graph_run_again_at_every_replay(backend):
             graph.replay()
         return after_capture, t.tolist(), ledger.counts()
 
-    expected = ([4.0, 4.0], [64.0, 64.0], {"all_reduce": 3})
+    expected = ([1.0, 1.0], [16.0, 16.0], {"all_reduce": 3})
     assert meshsim.run(body, 2, cuda="cpu", backend=backend) == [expected] * 2
 
 
@@ -188,7 +192,8 @@ def test_a_whole_training_step_captured_in_a_graph_trains_as_eager_code(make_opt
             static_loss = torch.nn.functional.mse_loss(model(static_x), static_y)
             static_loss.backward()
             optimizer.step()
-        step(eager, eager_optimizer, *batches[0])  # the capture's own step
+        # no eager step for the capture: on CUDA a capture launches nothing, so the
+        # parameters and the optimizer's state are as before it until the first replay
         losses = []
         for x, y in batches[1:]:
             static_x.copy_(x)
