@@ -205,3 +205,138 @@ def test_a_whole_training_step_captured_in_a_graph_trains_as_eager_code(make_opt
         return losses, same
 
     assert _run(body, 1) == [([True] * 3, True)]
+
+
+def test_a_step_captured_and_replayed_at_once_accumulates_its_gradients_once():
+    """Megatron's full-iteration graph: capture one training step, then replay it for that step.
+
+    Gradients go into a static buffer that exists before the capture (zeroed before every
+    step) and are all-reduced in place. On CUDA the capture launches nothing, so the step's
+    gradients are the replay's alone; before, the capture's eager pass added them too.
+    """
+
+    def body():
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(3, 4, device="cuda"))
+        main_grad = torch.zeros(3, 4, device="cuda")  # DDP's static gradient buffer
+        static_x = torch.zeros(2, 4, device="cuda")
+
+        def accumulate(grad):
+            main_grad.add_(grad)  # returns nothing: the gradient itself is unchanged
+
+        hook = weight.register_hook(accumulate)
+
+        def step():
+            loss = (static_x @ weight.t()).square().sum()
+            loss.backward()
+            dist.all_reduce(main_grad)  # in place, on the buffer made before the capture
+
+        grads = []
+        graph = None
+        for i in range(4):
+            static_x.copy_(torch.full((2, 4), float(i + dist.get_rank() + 1), device="cuda"))
+            main_grad.zero_()
+            if i == 0:
+                step()  # warm-up, eager
+            else:
+                if graph is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step()
+                graph.replay()
+            grads.append(main_grad.clone())
+        hook.remove()
+        expected = []
+        for i in range(4):  # the same steps, eagerly
+            x = torch.full((2, 4), float(i + dist.get_rank() + 1), device="cuda")
+            loss = (x @ weight.t()).square().sum()
+            expected.append(torch.autograd.grad(loss, weight)[0])
+            dist.all_reduce(expected[-1])
+        return [torch.equal(g, e) for g, e in zip(grads, expected)]
+
+    assert _run(body) == [[True] * 4] * 2
+
+
+def test_a_capture_leaves_the_generator_offsets_as_they_were():
+    def body():
+        torch.cuda.manual_seed(3)
+        before = torch.cuda.default_generators[0].get_offset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            noise = torch.rand(8, device="cuda")
+        after_capture = torch.cuda.default_generators[0].get_offset()
+        graph.replay()
+        torch.cuda.manual_seed(3)
+        return before == after_capture, torch.equal(noise, torch.rand(8, device="cuda"))
+
+    assert _run(body, 1) == [(True, True)]
+
+
+def test_random_ops_captured_under_a_swapped_in_state_draw_from_it_at_replay():
+    """Megatron's RNG tracker with CUDA graphs: its own state is swapped in around the ops it captures."""
+
+    def body():
+        torch.cuda.manual_seed(1)
+        generator = torch.cuda.default_generators[0]
+        tracked = generator.clone_state().manual_seed(123)  # the tracker's state
+        reference = tracked.clone_state()
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(tracked)
+        with torch.cuda.graph(graph):
+            default = generator.graphsafe_get_state()
+            generator.graphsafe_set_state(tracked)  # tracker.fork()
+            noise = torch.rand(6, device="cuda")
+            generator.graphsafe_set_state(default)
+        default_offset = generator.get_offset()
+        replayed = []
+        for _ in range(2):
+            graph.replay()
+            replayed.append(noise.clone())
+        eager = []
+        for _ in range(2):
+            generator.graphsafe_set_state(reference)
+            eager.append(torch.rand(6, device="cuda"))
+            generator.graphsafe_set_state(default)
+        return (
+            [torch.equal(r, e) for r, e in zip(replayed, eager)],
+            generator.get_offset() == default_offset,
+            tracked.get_offset() == reference.get_offset(),
+        )
+
+    assert _run(body, 1) == [([True, True], True, True)]
+
+
+def test_tensor_type_names_the_cuda_type():
+    """Megatron's optimizer asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``."""
+
+    def body():
+        x = torch.ones(2, device="cuda")
+        half = x.type("torch.cuda.HalfTensor")
+        on_cpu = x.type(torch.FloatTensor)
+        return (
+            x.type(),
+            torch.ones(1).type(),
+            half.type(),
+            str(half.device),
+            on_cpu.type(),
+            x.type(torch.float64).type(),
+            torch.ones(1).type("torch.cuda.FloatTensor").is_cuda,
+        )
+
+    expected = (
+        "torch.cuda.FloatTensor",
+        "torch.FloatTensor",
+        "torch.cuda.HalfTensor",
+        "cuda:0",
+        "torch.FloatTensor",
+        "torch.cuda.DoubleTensor",
+        True,
+    )
+    assert _run(body, 1) == [expected]
+
+    def refused():
+        with pytest.raises(ValueError, match="a tensor type such as 'torch.cuda.FloatTensor' or a dtype, got 'f32'"):
+            torch.ones(1, device="cuda").type("f32")
+        return "refused"
+
+    assert _run(refused, 1) == ["refused"]
