@@ -335,7 +335,9 @@ def test_tensor_type_names_the_cuda_type():
     assert _run(body, 1) == [expected]
 
     def refused():
-        with pytest.raises(ValueError, match="a tensor type such as 'torch.cuda.FloatTensor' or a dtype, got 'f32'"):
+        with pytest.raises(
+            ValueError, match=r"a tensor type such as 'torch\.cuda\.FloatTensor' or a dtype, got 'f32'"
+        ):
             torch.ones(1, device="cuda").type("f32")
         return "refused"
 

@@ -184,7 +184,9 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
     if where is None:
         schema = func._schema
         marked = [
-            (i, a) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+            (i, a)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
         ]
         where = _writes[func] = (
             tuple(i for i, a in marked if not a.kwarg_only),

@@ -533,7 +533,7 @@ _REAL_TYPE: Any = torch._C.TensorBase.type
 
 
 def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
-    """``Tensor.type()``: a CUDA tensor's type name is ``torch.cuda.<T>Tensor``; ``type(t)`` casts where CUDA would.
+    """``Tensor.type()``: a CUDA tensor's type is ``torch.cuda.<T>Tensor``; ``type(t)`` casts as CUDA does.
 
     Megatron's optimizer asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``. A
     type named by string or legacy class (``'torch.cuda.HalfTensor'``,
@@ -548,7 +548,11 @@ def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **k
         return name
     if isinstance(dtype, torch.dtype):
         return self.to(dtype, non_blocking=non_blocking)
-    name = dtype if isinstance(dtype, str) else f"{getattr(dtype, '__module__', '')}.{getattr(dtype, '__name__', '')}"
+    name = (
+        dtype
+        if isinstance(dtype, str)
+        else f"{getattr(dtype, '__module__', '')}.{getattr(dtype, '__name__', '')}"
+    )
     if name.startswith("torch.cuda."):
         legacy = getattr(torch, name[len("torch.cuda.") :], None)
         target: Any = here if here.type == "cuda" else torch.device("cuda")
@@ -557,7 +561,9 @@ def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **k
         target = CPU
     cast_to = getattr(legacy, "dtype", None)
     if not isinstance(cast_to, torch.dtype):
-        raise ValueError(f"Tensor.type() takes a tensor type such as 'torch.cuda.FloatTensor' or a dtype, got {dtype!r}")
+        raise ValueError(
+            f"Tensor.type() takes a tensor type such as 'torch.cuda.FloatTensor' or a dtype, got {dtype!r}"
+        )
     return self.to(target, cast_to, non_blocking=non_blocking)
 
 
