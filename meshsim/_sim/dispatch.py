@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshsim._process.cuda.graphs import note_call
+from meshsim._process.cuda.graphs import note_call, note_writes
 
 __all__ = ["dispatch_modes_active", "dispatcher_twin", "through_dispatcher"]
 
@@ -91,6 +91,7 @@ class _CarryOut(TorchDispatchMode):  # type: ignore[misc]
         if run is None or func.namespace != "c10d":
             return func(*args, **kwargs)  # anything else the modes above ran
         self._run = None
+        note_writes(func, args, kwargs)  # a capture launches nothing: it puts back what this writes
         self.work = work = run()
         note_call(run)  # a CUDA graph's capture under emulation: its replay runs the collective again
         boxed = work.boxed()

@@ -33,19 +33,20 @@ def test_a_graph_replayed_with_new_inputs_gives_the_eager_results():
     assert _run(body) == [([True] * 3, "cuda:0")] * 2
 
 
-def test_in_place_updates_captured_in_a_graph_happen_at_every_replay():
+def test_in_place_updates_captured_in_a_graph_happen_at_every_replay_and_not_at_the_capture():
     def body():
         state = torch.zeros(3, device="cuda")
         step = torch.ones(3, device="cuda")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            state.add_(step)  # runs once at the capture
+            state.add_(step)  # a capture launches nothing on CUDA: state stays 0 until a replay
             doubled = state * 2
+        after_capture = state.tolist()
         for _ in range(3):
             graph.replay()
-        return state.tolist(), doubled.tolist()
+        return after_capture, state.tolist(), doubled.tolist()
 
-    assert _run(body, 1) == [([4.0] * 3, [8.0] * 3)]
+    assert _run(body, 1) == [([0.0] * 3, [3.0] * 3, [6.0] * 3)]
 
 
 def test_is_current_stream_capturing_answers_truthfully():
@@ -95,7 +96,10 @@ def test_make_graphed_callables_on_a_module_gives_eager_outputs_and_gradients():
 
 @pytest.mark.parametrize("backend", ["sim", "gloo"])
 def test_collectives_captured_in_a_graph_run_again_at_every_replay(backend):
-    """As NCCL's, a captured collective runs at every replay; each run (the capture's too) is recorded."""
+    """As NCCL's, a captured collective runs at every replay; each run (the capture's too) is recorded.
+
+    The capture's own run changes no value: ``t`` is as before it until the first replay.
+    """
 
     def body():
         t = torch.ones(2, device="cuda")
@@ -109,7 +113,7 @@ def test_collectives_captured_in_a_graph_run_again_at_every_replay(backend):
             graph.replay()
         return after_capture, t.tolist(), ledger.counts()
 
-    expected = ([4.0, 4.0], [64.0, 64.0], {"all_reduce": 3})
+    expected = ([1.0, 1.0], [16.0, 16.0], {"all_reduce": 3})
     assert meshsim.run(body, 2, cuda="cpu", backend=backend) == [expected] * 2
 
 
@@ -188,7 +192,8 @@ def test_a_whole_training_step_captured_in_a_graph_trains_as_eager_code(make_opt
             static_loss = torch.nn.functional.mse_loss(model(static_x), static_y)
             static_loss.backward()
             optimizer.step()
-        step(eager, eager_optimizer, *batches[0])  # the capture's own step
+        # no eager step for the capture: on CUDA a capture launches nothing, so the
+        # parameters and the optimizer's state are as before it until the first replay
         losses = []
         for x, y in batches[1:]:
             static_x.copy_(x)
@@ -200,3 +205,140 @@ def test_a_whole_training_step_captured_in_a_graph_trains_as_eager_code(make_opt
         return losses, same
 
     assert _run(body, 1) == [([True] * 3, True)]
+
+
+def test_a_step_captured_and_replayed_at_once_accumulates_its_gradients_once():
+    """Megatron's full-iteration graph: capture one training step, then replay it for that step.
+
+    Gradients go into a static buffer that exists before the capture (zeroed before every
+    step) and are all-reduced in place. On CUDA the capture launches nothing, so the step's
+    gradients are the replay's alone; before, the capture's eager pass added them too.
+    """
+
+    def body():
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(3, 4, device="cuda"))
+        main_grad = torch.zeros(3, 4, device="cuda")  # DDP's static gradient buffer
+        static_x = torch.zeros(2, 4, device="cuda")
+
+        def accumulate(grad):
+            main_grad.add_(grad)  # returns nothing: the gradient itself is unchanged
+
+        hook = weight.register_hook(accumulate)
+
+        def step():
+            loss = (static_x @ weight.t()).square().sum()
+            loss.backward()
+            dist.all_reduce(main_grad)  # in place, on the buffer made before the capture
+
+        grads = []
+        graph = None
+        for i in range(4):
+            static_x.copy_(torch.full((2, 4), float(i + dist.get_rank() + 1), device="cuda"))
+            main_grad.zero_()
+            if i == 0:
+                step()  # warm-up, eager
+            else:
+                if graph is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step()
+                graph.replay()
+            grads.append(main_grad.clone())
+        hook.remove()
+        expected = []
+        for i in range(4):  # the same steps, eagerly
+            x = torch.full((2, 4), float(i + dist.get_rank() + 1), device="cuda")
+            loss = (x @ weight.t()).square().sum()
+            expected.append(torch.autograd.grad(loss, weight)[0])
+            dist.all_reduce(expected[-1])
+        return [torch.equal(g, e) for g, e in zip(grads, expected)]
+
+    assert _run(body) == [[True] * 4] * 2
+
+
+def test_a_capture_leaves_the_generator_offsets_as_they_were():
+    def body():
+        torch.cuda.manual_seed(3)
+        before = torch.cuda.default_generators[0].get_offset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            noise = torch.rand(8, device="cuda")
+        after_capture = torch.cuda.default_generators[0].get_offset()
+        graph.replay()
+        torch.cuda.manual_seed(3)
+        return before == after_capture, torch.equal(noise, torch.rand(8, device="cuda"))
+
+    assert _run(body, 1) == [(True, True)]
+
+
+def test_random_ops_captured_under_a_swapped_in_state_draw_from_it_at_replay():
+    """Megatron's RNG tracker with CUDA graphs: its own state is swapped in around the ops it captures."""
+
+    def body():
+        torch.cuda.manual_seed(1)
+        generator = torch.cuda.default_generators[0]
+        tracked = generator.clone_state().manual_seed(123)  # the tracker's state
+        reference = tracked.clone_state()
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(tracked)
+        with torch.cuda.graph(graph):
+            default = generator.graphsafe_get_state()
+            generator.graphsafe_set_state(tracked)  # tracker.fork()
+            noise = torch.rand(6, device="cuda")
+            generator.graphsafe_set_state(default)
+        default_offset = generator.get_offset()
+        replayed = []
+        for _ in range(2):
+            graph.replay()
+            replayed.append(noise.clone())
+        eager = []
+        for _ in range(2):
+            generator.graphsafe_set_state(reference)
+            eager.append(torch.rand(6, device="cuda"))
+            generator.graphsafe_set_state(default)
+        return (
+            [torch.equal(r, e) for r, e in zip(replayed, eager)],
+            generator.get_offset() == default_offset,
+            tracked.get_offset() == reference.get_offset(),
+        )
+
+    assert _run(body, 1) == [([True, True], True, True)]
+
+
+def test_tensor_type_names_the_cuda_type():
+    """Megatron's optimizer asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``."""
+
+    def body():
+        x = torch.ones(2, device="cuda")
+        half = x.type("torch.cuda.HalfTensor")
+        on_cpu = x.type(torch.FloatTensor)
+        return (
+            x.type(),
+            torch.ones(1).type(),
+            half.type(),
+            str(half.device),
+            on_cpu.type(),
+            x.type(torch.float64).type(),
+            torch.ones(1).type("torch.cuda.FloatTensor").is_cuda,
+        )
+
+    expected = (
+        "torch.cuda.FloatTensor",
+        "torch.FloatTensor",
+        "torch.cuda.HalfTensor",
+        "cuda:0",
+        "torch.FloatTensor",
+        "torch.cuda.DoubleTensor",
+        True,
+    )
+    assert _run(body, 1) == [expected]
+
+    def refused():
+        with pytest.raises(
+            ValueError, match=r"a tensor type such as 'torch\.cuda\.FloatTensor' or a dtype, got 'f32'"
+        ):
+            torch.ones(1, device="cuda").type("f32")
+        return "refused"
+
+    assert _run(refused, 1) == ["refused"]

@@ -6,18 +6,29 @@ The emulated "H100" makes frameworks turn CUDA graphs on (``torch.cuda.graph``,
 torch's own versions reach the real CUDA runtime. Here a graph is a recording:
 
 - **Capture** runs the block eagerly, as without a graph, while the thread's dispatch
-  mode (:class:`meshsim._process.cuda.tensors.CudaMode`, whose ``capture`` is the list
-  being recorded) notes every aten op: the op, the tensors and values it was called
-  with, and the tensors it made. Those are the graph's static tensors; the recording
-  keeps them alive, as a graph's memory pool does.
+  mode (:class:`meshsim._process.cuda.tensors.CudaMode`, whose ``capture`` is the
+  :class:`Capture` being recorded) notes every aten op: the op, the tensors and values
+  it was called with, and the tensors it made. Those are the graph's static tensors;
+  the recording keeps them alive, as a graph's memory pool does.
+- **A capture changes nothing that existed before it**, as on CUDA, where a capture
+  launches no kernel: before an op first writes a tensor the capture did not make (a
+  parameter, an accumulated gradient, an optimizer's state, a buffer an in-place
+  collective reduces), its values are saved, and the capture's end puts them back; the
+  offsets of the CUDA generators it drew from are put back too. Without this, code that
+  captures a step and then replays it (Megatron's ``FullCudaGraphWrapper``, torch's
+  whole-network recipe) ran that step twice: gradients accumulated into a static
+  buffer were doubled. Tensors the capture made keep the values the eager pass gave
+  them (on CUDA they hold garbage until the first replay).
 - **Replay** runs the recorded ops again in order, on the same tensors (so new
   values copied into a static input are read) under ``no_grad``: an op that writes
   its arguments (``add_``, ``out=``, an optimizer's ``_foreach_*_``, ``copy_``) writes
   them again; an op that made a tensor makes it afresh and its values are copied into
   the tensor the capture made (whatever holds that tensor, a later op or the caller's
   static output, sees the new values); a view is not rerun (it already shares its
-  base's storage). Random ops draw again, moving the rank's CUDA generator, as a
-  graph's Philox offset moves at every replay.
+  base's storage). Random ops draw again from the generator state they drew from at the
+  capture (Megatron's RNG tracker swaps states in with ``graphsafe_set_state`` around
+  the ops it captures), moving its offset, as a registered generator's Philox offset
+  moves at every replay.
 - **Collectives** inside a capture run at the capture (so the ranks' captures agree
   and the block's outputs have values) and again at every replay, each run entering
   the ledger: NCCL's captured collectives are replayed by ``replay()`` too (NCCL sends
@@ -43,9 +54,18 @@ from typing import Any
 import torch
 
 from meshsim._base.context import current
-from meshsim._process.cuda.rank import Generator
+from meshsim._process.cuda.rank import Generator, now
 
-__all__ = ["CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing", "note_call", "patches"]
+__all__ = [
+    "CUDAGraph",
+    "Capture",
+    "graph",
+    "graph_pool_handle",
+    "is_current_stream_capturing",
+    "note_call",
+    "note_writes",
+    "patches",
+]
 
 _HERE = current()  # one object; its fields (``cuda``: the thread's CudaMode) are per thread
 _REAL_DATA: Any = torch._C.TensorBase.data
@@ -57,6 +77,143 @@ Step = tuple[Any, tuple[Any, ...], dict[str, Any], Any]
 _CALL = object()  # a step that is a call to run again, not an op: (_CALL, (fn,), {}, None)
 
 
+class Drawn:
+    """A random op as a capture ran it: the op and the generator state it drew from."""
+
+    __slots__ = ("func", "index", "shared")
+
+    def __init__(self, func: Any, index: int, shared: object) -> None:
+        self.func = func
+        self.index = index  # the device whose generator drew
+        self.shared = shared
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with now().generator(self.index).drawing_from(self.shared):
+            return self.func(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return str(self.func)
+
+
+class Capture:
+    """A capture underway in a thread: its steps, and what it must put back when it ends.
+
+    Attributes:
+        steps: what a replay runs, in order: (op, args, kwargs, what it returned).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self._made: set[int] = set()  # storages of the tensors the capture made
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its values before)
+        self._offsets: dict[int, tuple[Any, int]] = {}  # id -> (generator state, offset before)
+
+    def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """Add a step; the tensors ``func`` made are the capture's own from now on."""
+        self.steps.append((func, args, kwargs, out))
+        _, fresh = _how_to_replay(func.func if isinstance(func, Drawn) else func)
+        for is_fresh, value in zip(fresh, out if isinstance(out, (list, tuple)) else (out,)):
+            if is_fresh:
+                for tensor in _tensors(value):
+                    key = _storage_of(tensor)
+                    if key is not None:
+                        self._made.add(key)
+
+    def drawing(self, func: Any, index: int) -> Drawn:
+        """A random op about to draw from device ``index``'s generator: the step to record for it.
+
+        The state it draws from now is noted, and its offset put back when the capture ends.
+        """
+        shared = now().generator(index).shared()
+        if id(shared) not in self._offsets:
+            self._offsets[id(shared)] = (shared, now().generator(index).offset)
+        return Drawn(func, index, shared)
+
+    def before_write(self, mode: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """Save what ``func`` is about to write among the tensors that existed before the capture."""
+        written = _written(func, args, kwargs)
+        if not written:
+            return
+        mode.capture = None  # the copies are not part of the graph
+        try:
+            for tensor in written:
+                if id(tensor) in self._saved:
+                    continue
+                key = _storage_of(tensor)
+                if key is None or key in self._made:
+                    continue  # empty, made by the capture, or a wrapper (its inner tensors are written)
+                self._saved[id(tensor)] = (tensor, _REAL_DATA.__get__(tensor).clone())
+        finally:
+            mode.capture = self
+
+    def undo(self) -> None:
+        """Put back what the capture wrote (latest first, so overlapping views end as before)."""
+        with torch.no_grad():
+            for tensor, before in reversed(list(self._saved.values())):
+                _REAL_DATA.__get__(tensor).copy_(before)
+        for shared, offset in self._offsets.values():
+            shared.offset = offset
+        self._saved.clear()
+        self._offsets.clear()
+
+
+def _storage_of(tensor: torch.Tensor) -> int | None:
+    """Where a tensor's bytes are (None: no bytes, or a wrapper subclass that has no storage)."""
+    if not tensor.numel():
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
+        return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+# op -> (positions, names) of the arguments it writes
+_writes: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    where = _writes.get(func)
+    if where is None:
+        schema = func._schema
+        marked = [
+            (i, a)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        where = _writes[func] = (
+            tuple(i for i, a in marked if not a.kwarg_only),
+            tuple(a.name for _, a in marked),
+        )
+    positions, names = where
+    found: list[torch.Tensor] = []
+    for i in positions:
+        if i < len(args):
+            found += _tensors(args[i])
+    for name in names:
+        if name in kwargs:
+            found += _tensors(kwargs[name])
+    return found
+
+
+def note_writes(func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """In a capture, save the values of the tensors ``func`` is about to write (see :class:`Capture`).
+
+    For ops that run beneath the dispatch mode that records the capture: meshsim's
+    backend runs an in-place collective's writes itself (:mod:`meshsim._sim.dispatch`).
+    """
+    mode = _HERE.cuda
+    if mode is not None and mode.capture is not None:
+        mode.capture.before_write(mode, func, args, kwargs)
+
+
 def note_call(fn: Callable[[], Any]) -> None:
     """In a capture, record that replay must call ``fn()`` (and wait for the Work it returns).
 
@@ -66,7 +223,7 @@ def note_call(fn: Callable[[], Any]) -> None:
     """
     mode = _HERE.cuda
     if mode is not None and mode.capture is not None:
-        mode.capture.append((_CALL, (fn,), {}, None))
+        mode.capture.steps.append((_CALL, (fn,), {}, None))
 
 
 def is_current_stream_capturing() -> bool:
@@ -86,7 +243,7 @@ class CUDAGraph:
     def __init__(self, keep_graph: bool = False) -> None:
         self.keep_graph = keep_graph
         self._steps: list[Step] | None = None  # None until a capture ends
-        self._recording: list[Step] | None = None
+        self._recording: Capture | None = None
         self._pool = graph_pool_handle()
         self._debug = False
 
@@ -114,10 +271,10 @@ class CUDAGraph:
             raise RuntimeError("CUDAGraph.capture_begin(): this graph was captured already; reset() it first")
         if pool is not None:
             self._pool = pool
-        self._recording = mode.capture = []
+        self._recording = mode.capture = Capture()
 
     def capture_end(self) -> None:
-        """Stop recording; the graph can be replayed from now on.
+        """Stop recording, put back what the capture changed; the graph can be replayed from now on.
 
         Raises:
             RuntimeError: this graph is not being captured in the calling thread.
@@ -126,7 +283,9 @@ class CUDAGraph:
         if mode is None or self._recording is None or mode.capture is not self._recording:
             raise RuntimeError("CUDAGraph.capture_end() without capture_begin() on this graph in this thread")
         mode.capture = None
-        self._steps, self._recording = self._recording, None
+        recording, self._recording = self._recording, None
+        recording.undo()  # a capture launches nothing: what existed before it is as it was
+        self._steps = recording.steps
 
     def instantiate(self) -> None:
         """Nothing to build: the recording is the graph."""
@@ -250,11 +409,11 @@ def replay(steps: list[Step]) -> None:
             if func is _CALL:
                 _write(None, args[0](), func)  # a collective: run, and wait for its Work
                 continue
-            rerun, fresh = _how_to_replay(func)
+            rerun, fresh = _how_to_replay(func.func if isinstance(func, Drawn) else func)
             if not rerun:
                 continue
             made = func(*args, **kwargs)
-            if func.namespace == "_c10d_functional":
+            if not isinstance(func, Drawn) and func.namespace == "_c10d_functional":
                 made = _waited(made)
             if len(fresh) == 1:
                 if fresh[0]:

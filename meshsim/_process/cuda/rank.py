@@ -6,6 +6,8 @@ serialized world has its own, as every process has; :func:`now` is the calling r
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +111,25 @@ class Generator:
             )
         self._state = state._state
         return self
+
+    def shared(self) -> object:
+        """The state object this generator draws from now (what ``graphsafe_set_state`` swaps).
+
+        A CUDA graph's capture notes it for each random op, so that the replay draws from
+        the same state, as a captured kernel reads its registered generator's seed and offset.
+        """
+        return self._state
+
+    @contextlib.contextmanager
+    def drawing_from(self, shared: object) -> Iterator[None]:
+        """Draw from ``shared`` (a :meth:`shared` of this or another generator) inside the block."""
+        if not isinstance(shared, _State):
+            raise TypeError(f"drawing_from() takes what a generator's shared() returned, got {shared!r}")
+        before, self._state = self._state, shared
+        try:
+            yield
+        finally:
+            self._state = before
 
     def __repr__(self) -> str:
         return f"<emulated CUDA generator of {self.device}: seed {self.seed}, offset {self.offset}>"

@@ -180,8 +180,8 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         asked: the spec as asked for, before sizing: what a world the thread starts inherits.
         depth: how many ops the mode runs now in this thread (inside one, kernels see storage).
         nvtx_depth: the thread's open ``torch.cuda.nvtx`` ranges.
-        capture: the ops of the CUDA graph the thread captures now, recorded as they run
-            (None: no capture; see :mod:`meshsim._process.cuda.graphs`).
+        capture: the CUDA graph the thread captures now, its ops recorded as they run
+            (None: no capture; a :class:`meshsim._process.cuda.graphs.Capture`).
         outer: the thread's emulation before this one (None: it did not emulate).
     """
 
@@ -194,7 +194,7 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.asked = asked if asked is not None else spec
         self.depth = 0
         self.nvtx_depth = 0
-        self.capture: list[Any] | None = None
+        self.capture: Any = None  # graphs.Capture
         self.outer = outer
         self.printing = 0  # a tensor's repr runs with the modes off, and says its tag
 
@@ -254,7 +254,13 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         depth = self.depth
         self.depth = depth + 1
         capture = self.capture
-        recorded = len(capture) if capture is not None else 0
+        recorded = 0
+        step = func
+        if capture is not None:  # a CUDA graph's capture: see meshsim._process.cuda.graphs
+            recorded = len(capture.steps)
+            capture.before_write(self, func, args, kwargs)
+            if seeded and target is not None and kwargs.get("generator") is None:
+                step = capture.drawing(func, target.index or 0)
         try:
             if target is not None and func in _ON_CPU:
                 out = _ON_CPU[func](*args, **kwargs)  # a CUDA-only kernel, computed by the CPU's
@@ -272,9 +278,9 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 _count(out, target)
         elif pinned:
             setattr(out, _PINNED, True)
-        if capture is not None and len(capture) == recorded:
-            # a CUDA graph's capture: replay runs the op again (or what it noted running, if anything)
-            capture.append((func, args, given, out))
+        if capture is not None and len(capture.steps) == recorded:
+            # replay runs the op again (or what it noted running, if anything)
+            capture.record(step, args, given, out)
         return out
 
 
@@ -548,6 +554,44 @@ def _cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         _untag(out)
         return cast(torch.Tensor, out)
     return cast(torch.Tensor, _REAL_CPU(self, *args, **kwargs))
+
+
+_REAL_TYPE: Any = torch._C.TensorBase.type
+
+
+def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    """``Tensor.type()``: a CUDA tensor's type is ``torch.cuda.<T>Tensor``; ``type(t)`` casts as CUDA does.
+
+    Megatron's optimizer asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``. A
+    type named by string or legacy class (``'torch.cuda.HalfTensor'``,
+    ``torch.FloatTensor``) casts to its dtype on the CUDA device or the CPU it names;
+    a ``torch.dtype`` casts in place (on the tensor's device), as torch does.
+    """
+    here = device_of(self)
+    if dtype is None:
+        name = cast(str, _REAL_TYPE(self))
+        if here.type == "cuda" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch.") :]
+        return name
+    if isinstance(dtype, torch.dtype):
+        return self.to(dtype, non_blocking=non_blocking)
+    name = (
+        dtype
+        if isinstance(dtype, str)
+        else f"{getattr(dtype, '__module__', '')}.{getattr(dtype, '__name__', '')}"
+    )
+    if name.startswith("torch.cuda."):
+        legacy = getattr(torch, name[len("torch.cuda.") :], None)
+        target: Any = here if here.type == "cuda" else torch.device("cuda")
+    else:
+        legacy = getattr(torch, name[len("torch.") :], None) if name.startswith("torch.") else None
+        target = CPU
+    cast_to = getattr(legacy, "dtype", None)
+    if not isinstance(cast_to, torch.dtype):
+        raise ValueError(
+            f"Tensor.type() takes a tensor type such as 'torch.cuda.FloatTensor' or a dtype, got {dtype!r}"
+        )
+    return self.to(target, cast_to, non_blocking=non_blocking)
 
 
 def _pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -831,6 +875,7 @@ def patches() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "to", _to),
         (torch.Tensor, "cuda", _cuda),
         (torch.Tensor, "cpu", _cpu),
+        (torch.Tensor, "type", _type),
         (torch.Tensor, "pin_memory", _pin_memory),
         (torch.Tensor, "is_pinned", _is_pinned),
         (torch.Tensor, "data", property(_get_data, _set_data)),
