@@ -103,6 +103,35 @@ def test_a_compiled_function_sees_its_ranks_current_device_and_stream(backend):
     assert _run(body, 3) == [(f"cuda:{k}", [float(k)] * 2, k) for k in range(3)]
 
 
+def test_a_gloo_rank_sees_its_device_while_another_rank_compiles():
+    """torch holds ``torch.compiler.is_compiling()`` True for the whole process while a thread compiles
+    (torch 2.13-2.14): a gloo rank's eager tensors said ``cpu`` meanwhile. Rank 0 holds its compile
+    open in its backend until rank 1 has looked."""
+    import threading
+
+    in_backend, looked = threading.Event(), threading.Event()
+
+    def held_open(gm, example_inputs):
+        in_backend.set()
+        assert looked.wait(timeout=60), "rank 1 did not look within 60 s"
+        return gm.forward
+
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        x = torch.ones(2, device="cuda")
+        if rank == 0:
+            out = torch.compile(lambda t: t * 2, backend=held_open)(x)
+            return str(out.device)
+        assert in_backend.wait(timeout=60), "rank 0 did not compile within 60 s"
+        try:
+            return str(x.device), str((x + 1).device)
+        finally:
+            looked.set()
+
+    assert meshsim.run(body, 2, cuda="cpu", backend="gloo") == ["cuda:0", ("cuda:1", "cuda:1")]
+
+
 @pytest.mark.skipif(not CUDA_BUILD, reason=ONLY_ON_A_CUDA_BUILD)
 def test_torch_accelerator_answers_from_the_ranks_emulated_device_on_a_cuda_build():
     """On a CUDA build with no GPU these reached the runtime (``CUDA driver version is insufficient``)
