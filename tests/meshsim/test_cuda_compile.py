@@ -155,7 +155,7 @@ def test_torch_accelerator_answers_from_the_ranks_emulated_device_on_a_cuda_buil
         torch.accelerator.synchronize()
         with pytest.raises(RuntimeError, match="invalid device ordinal 9: meshsim emulates 8 GPUs"):
             torch.accelerator.current_stream(9)
-        with pytest.raises(TypeError, match="takes a stream of an emulated device"):
+        with pytest.raises(TypeError, match=r"set_stream takes a torch\.Stream, got <object object"):
             torch.accelerator.set_stream(object())
         return seen
 

@@ -404,12 +404,10 @@ def accelerator_stand_ins() -> dict[str, Any]:
         return _current_stream(_accelerator_index(device))
 
     def set_stream(stream: Any) -> None:
-        if not isinstance(stream, _Stream):
-            raise TypeError(
-                f"torch.accelerator.set_stream under CUDA emulation takes a stream of an emulated device "
-                f"(torch.cuda.Stream(), torch.accelerator.current_stream()), got {stream!r}"
-            )
-        now().current = stream.device.index  # as torch's: the stream's device becomes current
+        if not isinstance(stream, torch.Stream):
+            raise TypeError(f"torch.accelerator.set_stream takes a torch.Stream, got {stream!r}")
+        if isinstance(stream, _Stream):
+            now().current = stream.device.index  # as torch's: the stream's device becomes current
         _set_stream(stream)
 
     def synchronize(device: Any = None, /) -> None:
