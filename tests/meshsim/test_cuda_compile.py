@@ -118,8 +118,7 @@ def test_a_gloo_rank_sees_its_device_while_another_rank_compiles():
 
     def body():
         rank = dist.get_rank()
-        torch.cuda.set_device(rank)
-        x = torch.ones(2, device="cuda")
+        x = torch.ones(2, device=f"cuda:{rank}")  # gloo ranks share the current device: a literal
         if rank == 0:
             out = torch.compile(lambda t: t * 2, backend=held_open)(x)
             return str(out.device)

@@ -11,7 +11,8 @@ The list was made by running the emulation's tests (``tests/meshsim/test_cuda.py
 ``reduce-overhead`` and ``max-autotune-no-cudagraphs`` modes, and flex attention forward
 and backward, on torch 2.14.1 (CUDA 13 build, no GPU, triton 3.8.0) and 2.13.0+cpu (with
 and without triton 3.8.0), on simulated, gloo thread and spawned ranks; the emulation's
-tests (``tests/meshsim/test_cuda*.py``) also on 2.11.0+cpu. A test checks that each
+tests (``tests/meshsim/test_cuda*.py``) also on 2.11.0 (PyPI's CUDA 13 build, no GPU,
+triton 3.6.0), the torch GPU machines carry. A test checks that each
 name listed is a stand-in while emulated (``torch.accelerator``'s only on a build whose
 accelerator is CUDA: on the CPU build torch has none and never reaches them).
 """
