@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="name", required=True, metavar="{run,demo}")
     run.add_parser(sub)
     demo.add_parser(sub)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(run.bare_ledger(given) if given[:1] == ["run"] else given)
     status: int = args.command(args)
     return status

@@ -153,6 +153,21 @@ def add_parser(sub: Any) -> None:
     parser.set_defaults(command=run_command)
 
 
+def bare_ledger(argv: list[str]) -> list[str]:
+    """``--ledger train.py ...``: tables on stdout, then the script (argparse took the script as FILE).
+
+    The first ``.py`` argument is the script; right after a bare ``--ledger`` it gets the
+    value ``-`` (stdout) put before it. A ledger file is JSON: ``--ledger out.json train.py``
+    keeps its meaning, and the script's own arguments are never looked at.
+    """
+    for at, token in enumerate(argv):
+        if token.endswith(".py"):
+            if argv[at - 1] == "--ledger":
+                return [*argv[:at], "-", *argv[at:]]
+            break
+    return list(argv)
+
+
 class UsageError(ValueError):
     """A bad option value: reported before any rank starts."""
 

@@ -110,6 +110,11 @@ def test_the_summary_shows_each_step_and_its_estimate(
     assert main(["run", "--nproc-per-node", "2", "--local-ranks-filter", "1", "--ledger=-", script]) == 0
     tables = capsys.readouterr().out
     assert "--- rank 1's ledger" in tables and "--- rank 0's ledger" not in tables
+    # a bare --ledger before the script: the tables, and the script still runs with its arguments
+    filtered = ["run", "--nproc-per-node", "2", "--local-ranks-filter", "1"]
+    assert main([*filtered, "--ledger", script, "--x.py"]) == 0
+    bare = capsys.readouterr().out
+    assert "--- rank 1's ledger" in bare and [argv for _, argv, _ in _states(bare).values()] == [["--x.py"]]
     summary = out[out.index("meshsim run:") :].splitlines()
     assert summary[1] == '  region "step": 3 times'
     assert summary[2].startswith(

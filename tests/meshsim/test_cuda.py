@@ -201,6 +201,27 @@ def test_graph_safe_rng_states_are_shared_or_cloned_as_cuda_s_are():
     assert _run(body) == [((True, True, 0), True, True)] * 2
 
 
+@pytest.mark.parametrize("backend", ["sim", "gloo"])
+def test_gather_and_scatter_into_tensors_match_by_element_count_as_on_nccl(backend):
+    """Megatron's gather_split_1d_tensor gathers a (2, 4) shard into a flat buffer: NCCL matches by
+    element count; gloo, serving the job's "nccl" groups under emulation, checks shapes."""
+
+    def body():
+        rank = dist.get_rank()
+        shard = torch.full((2, 4), float(rank), device="cuda")
+        flat = torch.empty(16, device="cuda")
+        dist.all_gather_into_tensor(flat, shard)
+        halves = torch.empty(2, 2, device="cuda")
+        dist.reduce_scatter_tensor(halves, torch.arange(8.0, device="cuda"))
+        return flat.tolist(), halves.tolist(), str(flat.device)
+
+    expected = [0.0] * 8 + [1.0] * 8
+    assert _run(body, backend=backend) == [
+        (expected, [[0.0, 2.0], [4.0, 6.0]], "cuda:0"),
+        (expected, [[8.0, 10.0], [12.0, 14.0]], "cuda:0"),
+    ]
+
+
 def test_torch_cuda_submodules_reach_the_emulation_as_torch_cuda_does():
     """torch.cuda.random.get_rng_state (which Megatron's RNG tracker calls) asks its own module's
     current_device: every torch.cuda submodule's binding of a replaced name is replaced too."""

@@ -7,7 +7,6 @@ ledgers each program's tests must record, written out by hand here.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 
 import pytest
@@ -15,6 +14,8 @@ import torch
 
 import meshsim
 from meshsim._observe.cost import critical_path, format_seconds
+
+from .launch import torchrun_pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -212,20 +213,7 @@ def test_torchrun_ranks_price_the_gathered_ledgers(pytester: pytest.Pytester) ->
             dist.all_reduce(torch.ones(256 * 1024))
         """
     )
-    result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "--multigpu-static",
-        "--mesh-cost=dgx-h100",
-        timeout=300,
-    )
+    result = torchrun_pytest(pytester, "--mesh-cost=dgx-h100", timeout=300)
     estimate = _estimate("test_reduce")  # the same call on the same two ranks
     result.stdout.fnmatch_lines(
         [

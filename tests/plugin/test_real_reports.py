@@ -8,9 +8,10 @@ meshsim's own calls raise no deprecation warning.
 from __future__ import annotations
 
 import socket
-import sys
 
 import pytest
+
+from .launch import torchrun_pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -93,23 +94,6 @@ def test_thread_and_spawned_ranks_name_the_culprit_with_the_table(
     result.stdout.no_fnmatch_line("rank 0 of 2 raised*")  # the victim is not the report
 
 
-def _torchrun(pytester: pytest.Pytester, *args: str, timeout: float = 240) -> pytest.RunResult:
-    return pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "--multigpu-static",
-        *args,
-        timeout=timeout,
-    )
-
-
 # A distributed manager's own group, made with a timeout of ten minutes: --mesh-timeout bounds it.
 MANAGER = """
 import datetime, torch.distributed as dist
@@ -124,7 +108,7 @@ def pytest_configure(config):
 def test_torchrun_ranks_name_the_culprit_with_the_table(pytester: pytest.Pytester, case: str) -> None:
     pytester.makepyfile(test_cases=CASES)
     pytester.makeconftest(MANAGER)
-    result = _torchrun(pytester, "--mesh-timeout", "5", "-k", case)
+    result = torchrun_pytest(pytester, "--mesh-timeout", "5", "-k", case)
     assert result.ret != 0
     result.stdout.fnmatch_lines(
         [
@@ -140,7 +124,7 @@ def test_a_torchrun_hang_ends_by_the_mesh_timeout_with_the_report(pytester: pyte
     """The manager's group waits ten minutes; --mesh-timeout=5 ends rank 0's wait after 5 s."""
     pytester.makepyfile(test_cases=CASES)
     pytester.makeconftest(MANAGER)
-    result = _torchrun(pytester, "--mesh-timeout", "5", "-k", "skips", timeout=120)
+    result = torchrun_pytest(pytester, "--mesh-timeout", "5", "-k", "skips", timeout=120)
     result.stdout.fnmatch_lines(
         [*EXPECTED["skips"], "(seen on torchrun) rank 0's call ended with *Timed out waiting 5000ms*"]
     )

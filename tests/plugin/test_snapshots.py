@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from .launch import torchrun_pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -220,21 +221,7 @@ def test_torchrun_ranks_gather_their_ledgers_and_rank_0_writes(pytester: pytest.
     tests["test_gather[world2]"]["rank 1 of 2"][1] = MAX  # type: ignore[index]
     _file(pytester).write_text(json.dumps({"version": 1, "tests": tests}))
 
-    result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "--multigpu-static",
-        WORLD_2,
-        SEND,
-        timeout=300,
-    )
+    result = torchrun_pytest(pytester, WORLD_2, SEND, timeout=300)
     result.stdout.fnmatch_lines(
         [
             "meshsim: --multigpu-static, rank 0 of 2",

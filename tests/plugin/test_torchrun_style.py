@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+
+from .launch import torchrun_pytest
 
 TREE = Path(__file__).parents[2] / "examples" / "torchrun_style"
 
@@ -224,19 +225,6 @@ def test_the_example_tree_passes_on_8_simulated_ranks_with_cuda_emulated(tree: p
 
 @pytest.mark.slow  # torchrun
 def test_the_example_tree_passes_under_torchrun(tree: pytest.Pytester) -> None:
-    result = tree.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "--multigpu-static",
-        "--mesh-unmarked=ranks",
-        timeout=300,
-    )
+    result = torchrun_pytest(tree, "--mesh-unmarked=ranks", timeout=300)
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*5 passed*"])

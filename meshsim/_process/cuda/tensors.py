@@ -249,6 +249,8 @@ class CudaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 target = _first_tag(args)
         else:
             target = _first_tag(args)
+        if target is not None and func in _BY_ELEMENT_COUNT:
+            args = _flat_on_gloo(args)
         allocates, seeded, cuda_only = _facts(func)
         # Python kernels the op runs (a torch.library custom op's) see the storage device,
         # as kernels do: what they make is tagged on the way out.
@@ -362,6 +364,30 @@ _ON_CPU: dict[Any, Callable[..., Any]] = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default: _efficient_attention,
     torch.ops.aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
 }
+
+
+# Collectives whose tensors NCCL matches by element count only (all_gather_into_tensor,
+# reduce_scatter_tensor): gloo, which serves "nccl" groups outside simulated worlds under
+# emulation, checks their shapes (a 1-D output of a (2, 4) input fails there, as Megatron's
+# gather_split_1d_tensor does). Absent where torch.distributed is not built.
+_BY_ELEMENT_COUNT = frozenset(
+    getattr(getattr(torch.ops.c10d, name, None), "default", None)
+    for name in ("_allgather_base_", "_reduce_scatter_base_")
+) - {None}
+
+
+def _flat_on_gloo(args: Any) -> Any:
+    """A gloo group's call with flat views of its two tensors, where their shapes differ beyond the first dim.
+
+    The op's result is the output tensor the caller passed in (the view writes into it).
+    """
+    output, given, group = args[0], args[1], args[2]
+    if output.shape[1:] == given.shape[1:] or not (output.is_contiguous() and given.is_contiguous()):
+        return args
+    unbox = getattr(torch.distributed.ProcessGroup, "unbox", None)  # torch 2.11-2.15
+    if unbox is None or unbox(group).name() != "gloo":
+        return args
+    return (output.view(-1), given.view(-1), *args[2:])
 
 
 def _dtensor_rng(mode: CudaMode, start: int, end: int, op: Any, *args: Any, **kwargs: Any) -> Any:
