@@ -52,13 +52,24 @@ def test_the_compiler_is_told_the_real_machine_and_the_program_the_emulated_one(
     assert _run(body) == [(True, False, False, False)]
 
 
+# PyPI's CUDA build has CUDA as its accelerator (with or without a GPU); the CPU build has none
+CUDA_BUILD = torch.accelerator.current_accelerator() is not None
+ONLY_ON_A_CUDA_BUILD = (
+    "the CPU build of torch has no accelerator: torch.accelerator never reaches a CUDA runtime"
+)
+
+
 def _reached_names():
     from meshsim._process.cuda.runtime import REACHED
 
     for entry, _who, _answer in REACHED:
-        owner, _, names = entry.rpartition(".")
-        for name in names.split(", "):
-            yield owner if name == names else entry.split(".", 2)[0] + ".cuda", name
+        first, *more = entry.split(", ")
+        owner, _, head = first.rpartition(".")
+        for name in (head, *more):
+            marks = (
+                [] if owner != "torch.accelerator" or CUDA_BUILD else pytest.mark.skip(ONLY_ON_A_CUDA_BUILD)
+            )
+            yield pytest.param(owner, name, marks=marks, id=f"{owner}.{name}")
 
 
 @pytest.mark.parametrize(("owner", "name"), list(_reached_names()))
@@ -72,6 +83,89 @@ def test_each_runtime_entry_torch_reaches_is_a_stand_in_while_emulated(owner, na
 
     assert _run(body) == [True]
     assert getattr(importlib.import_module(owner), name) is real  # put back
+
+
+def _device_and_stream(x):
+    """What Dynamo folds and guards on: the current device and stream (Dynamo asks for the stream
+    itself on a CUDA build, as it starts tracing each frame)."""
+    stream = torch.cuda.current_stream()
+    return x + torch.cuda.current_device(), stream.device.index
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_function_sees_its_ranks_current_device_and_stream(backend):
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        out, stream_device = torch.compile(_device_and_stream, backend=backend)(torch.zeros(2, device="cuda"))
+        return str(out.device), out.tolist(), stream_device
+
+    assert _run(body, 3) == [(f"cuda:{k}", [float(k)] * 2, k) for k in range(3)]
+
+
+def test_a_gloo_rank_sees_its_device_while_another_rank_compiles():
+    """torch holds ``torch.compiler.is_compiling()`` True for the whole process while a thread compiles
+    (torch 2.13-2.14): a gloo rank's eager tensors said ``cpu`` meanwhile. Rank 0 holds its compile
+    open in its backend until rank 1 has looked."""
+    import threading
+
+    in_backend, looked = threading.Event(), threading.Event()
+
+    def held_open(gm, example_inputs):
+        in_backend.set()
+        assert looked.wait(timeout=60), "rank 1 did not look within 60 s"
+        return gm.forward
+
+    def body():
+        rank = dist.get_rank()
+        x = torch.ones(2, device=f"cuda:{rank}")  # gloo ranks share the current device: a literal
+        if rank == 0:
+            out = torch.compile(lambda t: t * 2, backend=held_open)(x)
+            return str(out.device)
+        assert in_backend.wait(timeout=60), "rank 0 did not compile within 60 s"
+        try:
+            return str(x.device), str((x + 1).device)
+        finally:
+            looked.set()
+
+    assert meshsim.run(body, 2, cuda="cpu", backend="gloo") == ["cuda:0", ("cuda:1", "cuda:1")]
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason=ONLY_ON_A_CUDA_BUILD)
+def test_torch_accelerator_answers_from_the_ranks_emulated_device_on_a_cuda_build():
+    """On a CUDA build with no GPU these reached the runtime (``CUDA driver version is insufficient``)
+    or answered device 0 and its real default stream for every rank."""
+    real = torch.accelerator.current_stream
+
+    def body():
+        rank = dist.get_rank()
+        torch.cuda.set_device(rank)
+        seen = [
+            torch.accelerator.current_device_index(),
+            torch.accelerator.current_stream() is torch.cuda.current_stream(),
+        ]
+        with torch.accelerator.device_index(0):
+            seen.append(torch.accelerator.current_device_index())
+        seen.append(torch.accelerator.current_device_index())
+        side = torch.cuda.Stream(1)
+        torch.accelerator.set_stream(side)  # as torch's: the stream's device becomes current
+        seen += [torch.accelerator.current_device_index(), torch.accelerator.current_stream(1) is side]
+        torch.accelerator.set_device_index(rank)
+        torch.accelerator.synchronize()
+        with pytest.raises(RuntimeError, match="invalid device ordinal 9: meshsim emulates 8 GPUs"):
+            torch.accelerator.current_stream(9)
+        with pytest.raises(TypeError, match=r"set_stream takes a torch\.Stream, got <object object"):
+            torch.accelerator.set_stream(object())
+        return seen
+
+    assert _run(body, 2) == [[0, True, 0, 0, 1, True], [1, True, 0, 1, 1, True]]
+    assert torch.accelerator.current_stream is real  # put back
+
+
+def test_torch_accelerator_says_what_the_build_has_while_emulated():
+    """The emulation does not give the CPU build an accelerator; the CUDA build keeps CUDA as its own."""
+    outside = torch.accelerator.current_accelerator()
+    assert _run(lambda: torch.accelerator.current_accelerator(), 1) == [outside]
 
 
 def test_higher_order_operators_run_eagerly_on_the_emulated_device():

@@ -116,3 +116,30 @@ def test_spawned_ranks_are_handed_the_emulation(
     pytester.makepyfile(test_spawned=SPAWNED)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mesh-cuda=cpu", "--mesh-timeout=120")
     result.assert_outcomes(passed=1)
+
+
+SPAWNED_COMPILE = """
+import pytest, torch, torch.distributed as dist
+
+def shifted(x):
+    return x + torch.cuda.current_device() + torch.arange(x.shape[0], device=x.device)
+
+@pytest.mark.world(2, backend="spawn")
+def test_spawned_ranks_compile(rank):
+    torch.cuda.set_device(rank)
+    out = torch.compile(shifted, backend="aot_eager")(torch.zeros(2, device="cuda"))
+    dist.all_reduce(out)
+    assert out.device == torch.device("cuda", rank) and out.tolist() == [1.0, 3.0]
+"""
+
+
+@pytest.mark.slow  # two spawned rank processes, each importing torch and compiling
+def test_spawned_ranks_compile_under_the_emulation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On PyPI's CUDA build with no GPU, Dynamo reached the CUDA runtime through torch.accelerator
+    as it started each frame, in spawned ranks (``CUDA driver version is insufficient``)."""
+    monkeypatch.delenv("MESHSIM_CUDA", raising=False)
+    pytester.makepyfile(test_spawned=SPAWNED_COMPILE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mesh-cuda=cpu", "--mesh-timeout=120")
+    result.assert_outcomes(passed=1)

@@ -15,7 +15,7 @@ from meshsim._process.cuda.rank import Generator, check_ordinal, device_count, i
 from meshsim._process.cuda.spec import Spec, spec_here
 from meshsim._process.cuda.tensors import device_of
 
-__all__ = ["stand_ins"]
+__all__ = ["accelerator_stand_ins", "stand_ins"]
 
 _HERE = current()  # one object; its fields are per thread
 
@@ -78,6 +78,11 @@ class _Stream(torch.Stream):
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> _Stream:
         return super().__new__(cls, "cpu")
 
+    # Not traced: a compiled frame that makes a stream runs this eagerly. Traced (Dynamo
+    # compiles each frame it meets after a graph break, such as current_stream's on the CPU
+    # build, which has no stream state for Dynamo), its first line made Dynamo wrap ``self``
+    # as a stream and read ``device`` before it was set (torch 2.13.0, 2.14.1).
+    @torch.compiler.disable  # type: ignore[untyped-decorator,misc]
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
         self._meshsim_device = torch.device("cuda", index_of(device))
         self.priority = priority
@@ -148,7 +153,7 @@ class _Event:
 
 def _current_stream(device: Any = None) -> _Stream:
     index = index_of(device)
-    stream = now().streams.get(index)
+    stream: _Stream | None = now().streams.get(index)
     if stream is None:
         stream = now().streams[index] = _Stream(index)
     return stream
@@ -350,4 +355,71 @@ def stand_ins() -> dict[str, Any]:
         "set_rng_state_all": lambda states: [now().generator(i).set_state(s) for i, s in enumerate(states)],
         "default_generators": _Generators(),
         "nvtx": _Nvtx(),
+    }
+
+
+# -- torch.accelerator ------------------------------------------------------------------------
+
+
+class _DeviceIndex:
+    """``torch.accelerator.device_index(k)``: device ``k`` is current inside the block (None: no change)."""
+
+    def __init__(self, device: int | None, /) -> None:
+        if device is not None and not isinstance(device, int):
+            raise TypeError(f"torch.accelerator.device_index takes an int or None, got {device!r}")
+        self.idx = device
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        self.prev_idx = now().current
+        if self.idx is not None and self.idx >= 0:
+            now().current = check_ordinal(self.idx)
+
+    def __exit__(self, *exc: object) -> None:
+        now().current = self.prev_idx
+
+
+def _accelerator_index(device: Any = None) -> int:
+    """A device argument of ``torch.accelerator``'s functions as the calling rank's device index."""
+    return check_ordinal(index_of(device))
+
+
+def accelerator_stand_ins() -> dict[str, Any]:
+    """``torch.accelerator``'s entries that reach the CUDA runtime, answered by the calling rank's emulation.
+
+    Only on a build whose accelerator is CUDA (PyPI's CUDA build, with or without a GPU):
+    the CPU build has no accelerator, and there ``torch.accelerator`` says so under
+    emulation too. Dynamo calls ``current_stream`` as it starts tracing each frame
+    (torch 2.14.1) and guards on it; the answer is the stream ``torch.cuda.current_stream``
+    gives, the same object each time for a rank and device.
+    """
+
+    def current_device_index() -> int:
+        return now().current
+
+    def set_device_index(device: Any, /) -> None:
+        _set_device(device)
+
+    def current_stream(device: Any = None, /) -> _Stream:
+        return _current_stream(_accelerator_index(device))
+
+    def set_stream(stream: Any) -> None:
+        if not isinstance(stream, torch.Stream):
+            raise TypeError(f"torch.accelerator.set_stream takes a torch.Stream, got {stream!r}")
+        if isinstance(stream, _Stream):
+            now().current = stream.device.index  # as torch's: the stream's device becomes current
+        _set_stream(stream)
+
+    def synchronize(device: Any = None, /) -> None:
+        _accelerator_index(device)  # every kernel is done at once: only the argument is checked
+
+    return {
+        "current_device_index": current_device_index,
+        "current_device_idx": current_device_index,
+        "set_device_index": set_device_index,
+        "set_device_idx": set_device_index,
+        "current_stream": current_stream,
+        "set_stream": set_stream,
+        "synchronize": synchronize,
+        "device_index": _DeviceIndex,
     }

@@ -34,6 +34,8 @@ def changes(spec: Spec) -> list[Callable[[], None]]:
         stand_ins = api.stand_ins()
         for owner, name in _bindings(stand_ins):
             undo.append(_set_attr(owner, name, stand_ins[name]))
+        for name, value in _accelerator_stand_ins().items():
+            undo.append(_set_attr(torch.accelerator, name, value))
         rank.declare_per_rank()
         tensors.register_higher_order_ops()
         for owner, name, value in (
@@ -71,6 +73,19 @@ def _bindings(stand_ins: dict[str, Any]) -> list[tuple[Any, str]]:
             if original is not _MISSING and getattr(module, name, _MISSING) is original:
                 found.append((module, name))
     return found
+
+
+def _accelerator_stand_ins() -> dict[str, Any]:
+    """``torch.accelerator``'s names to replace: where the build's accelerator is CUDA, those it has.
+
+    The CPU build has no accelerator (``current_accelerator()`` is None) and keeps its own.
+    """
+    accelerator = torch.accelerator.current_accelerator()  # the build's; does not start CUDA
+    if accelerator is None or accelerator.type != "cuda":
+        return {}
+    return {
+        name: value for name, value in api.accelerator_stand_ins().items() if hasattr(torch.accelerator, name)
+    }
 
 
 def _set_attr(owner: Any, name: str, value: Any) -> Callable[[], None]:

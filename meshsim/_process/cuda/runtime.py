@@ -10,8 +10,11 @@ The list was made by running the emulation's tests (``tests/meshsim/test_cuda.py
 ``tests/plugin/test_cuda_option.py``), ``torch.compile`` with Inductor in its default,
 ``reduce-overhead`` and ``max-autotune-no-cudagraphs`` modes, and flex attention forward
 and backward, on torch 2.14.1 (CUDA 13 build, no GPU, triton 3.8.0) and 2.13.0+cpu (with
-and without triton 3.8.0). A test checks that each ``torch.cuda`` name listed is a
-stand-in while emulated.
+and without triton 3.8.0), on simulated, gloo thread and spawned ranks; the emulation's
+tests (``tests/meshsim/test_cuda*.py``) also on 2.11.0 (PyPI's CUDA 13 build, no GPU,
+triton 3.6.0), the torch GPU machines carry. A test checks that each
+name listed is a stand-in while emulated (``torch.accelerator``'s only on a build whose
+accelerator is CUDA: on the CPU build torch has none and never reaches them).
 """
 
 from __future__ import annotations
@@ -48,15 +51,24 @@ REACHED: tuple[tuple[str, str, str], ...] = (
         "torch.cuda's own helpers and torch.distributed (DeviceMesh, FSDP2)",
         "api's stand-ins",
     ),
+    (
+        "torch.accelerator.current_device_index, current_stream",
+        "Dynamo as it starts tracing each frame (variables/streams.py SymbolicStreamState, "
+        "torch 2.14.1: torch.accelerator.is_available() asks torch.cuda.is_available, which "
+        "is True while emulated) and its guards on the current stream (utils.get_current_stream); "
+        "only on a build whose accelerator is CUDA",
+        "api.accelerator_stand_ins: the calling rank's current device, and the stream "
+        "torch.cuda.current_stream gives; the CPU build keeps its own (no accelerator there)",
+    ),
+    (
+        "torch.accelerator.set_device_index, set_stream, synchronize, device_index",
+        "programs and torch.distributed written for any accelerator (not seen reached by torch "
+        "itself in the runs above)",
+        "api.accelerator_stand_ins, on a build whose accelerator is CUDA",
+    ),
 )
 
 
 NOT_COVERED: tuple[tuple[str, str], ...] = (
-    # (the entry, who reaches it): found, not answered yet (issue 38)
-    (
-        "torch.accelerator.current_device_index, current_stream",
-        "Dynamo's stream tracking as it starts tracing a frame (variables/streams.py, torch 2.14.1), "
-        "seen in spawned ranks (tests/meshsim/test_compile.py on --mesh-backend=spawn); plain "
-        "stand-ins made Dynamo recurse on gloo thread ranks",
-    ),
+    # (the entry, who reaches it): found, not answered yet (issue 38). None left from the runs above.
 )

@@ -32,14 +32,17 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 _tracing = torch._guards.TracingContext.try_get  # set while Dynamo compiles a frame
-_compiling = torch.compiler.is_compiling  # True in the code Dynamo traces (and while AOTAutograd traces)
-_dynamo_traces = torch.compiler.is_dynamo_compiling  # True in the code Dynamo traces only
+_compiling = torch.compiler.is_compiling  # True in the code Dynamo traces; a process-wide flag
+_dynamo_tracing = torch.compiler.is_dynamo_compiling  # True only in the code Dynamo traces
 _HERE = current()  # one object; its fields (``cuda``: the thread's CudaMode) are per thread
 
 
 def device_of(tensor: torch.Tensor) -> torch.device:
     """What ``tensor.device`` says under emulation: its tag, a wrapper's inner tensor's, or the real one."""
-    if _compiling():
+    if _compiling() and (_dynamo_tracing() or _tracing() is not None):
+        # torch holds ``is_compiling()`` True for the whole process while any thread compiles
+        # (torch 2.13-2.14): another gloo rank's eager code is not compiling, so this thread's
+        # own compile is asked for (Dynamo folds ``is_dynamo_compiling()`` to True as it traces).
         # Dynamo traces this getter where it cannot read ``.device`` itself (a tensor with a
         # ``__torch_function__``, as flex attention's inputs): the storage, as it compiles
         # for, in a form it folds to a constant (torch 2.13-2.14) instead of a graph break.
@@ -709,7 +712,7 @@ def _ordinal_device(original: Callable[..., Any]) -> Callable[..., Any]:
         device = kwargs.get("device")
         if type(device) is int:
             kwargs["device"] = torch.device("cuda", device)
-        elif device is not None and not _dynamo_traces() and _HERE.cuda is not None and _is_bare_cuda(device):
+        elif device is not None and not _dynamo_tracing() and _HERE.cuda is not None and _is_bare_cuda(device):
             kwargs["device"] = torch.device("cuda", now().current)
         return original(*args, **kwargs)
 
