@@ -712,7 +712,9 @@ def _ordinal_device(original: Callable[..., Any]) -> Callable[..., Any]:
         device = kwargs.get("device")
         if type(device) is int:
             kwargs["device"] = torch.device("cuda", device)
-        elif device is not None and not _dynamo_tracing() and _HERE.cuda is not None and _is_bare_cuda(device):
+        elif (
+            device is not None and not _dynamo_tracing() and _HERE.cuda is not None and _is_bare_cuda(device)
+        ):
             kwargs["device"] = torch.device("cuda", now().current)
         return original(*args, **kwargs)
 
