@@ -234,7 +234,8 @@ def _child_main(
 ) -> None:
     die_with_parent()
     try:
-        _run_rank(target, funcargs, rank, world_size, port, timeout, record, pipe, cuda)
+        store = client_store(port, world_size, timeout)
+        _run_rank(target, funcargs, rank, world_size, store, timeout, record, pipe, cuda)
     except BaseException as exc:  # failed before or after the body: still report it
         _report(pipe, _Outcome("error", format_user_traceback(exc), time.time()))
     finally:
@@ -253,12 +254,21 @@ def _report(pipe: Any, outcome: _Outcome) -> None:
         pass  # already reported
 
 
+def client_store(port: int, world_size: int, timeout: float) -> Any:
+    """A ``TCPStore`` client of the parent's server on ``port`` (127.0.0.1), ``timeout`` seconds per wait."""
+    from torch._C._distributed_c10d import TCPStore
+
+    from meshsim._process.loopback import LOOPBACK_HOST
+
+    return TCPStore(LOOPBACK_HOST, port, world_size + 1, False, timeout=datetime.timedelta(seconds=timeout))
+
+
 def _run_rank(
     target: TestTarget,
     funcargs: dict[str, Any],
     rank: int,
     world_size: int,
-    port: int,
+    store: Any,
     timeout: float,
     record: bool,
     pipe: Any,
@@ -266,10 +276,9 @@ def _run_rank(
 ) -> None:
     import torch
     import torch.distributed as dist
-    from torch._C._distributed_c10d import TCPStore
 
     from meshsim._modes.fixtures import RankFixtures, resolve
-    from meshsim._process.loopback import LOOPBACK_HOST, loopback_environment
+    from meshsim._process.loopback import loopback_environment
     from meshsim._record.recorder import DispatchRecorder
     from meshsim._record.standing import standing_of
 
@@ -277,7 +286,6 @@ def _run_rank(
     # loopback. Not undone: the process is this rank's alone (a kept one sets it once).
     os.environ.update(loopback_environment(nccl=True))
     delta = datetime.timedelta(seconds=timeout)
-    store = TCPStore(LOOPBACK_HOST, port, world_size + 1, False, timeout=delta)
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, store=store, timeout=delta)

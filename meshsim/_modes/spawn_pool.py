@@ -53,6 +53,7 @@ from meshsim._modes.spawn import (
     _Outcome,
     _raise_first_failure,
     _run_rank,
+    client_store,
 )
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class _Job:
     funcargs: dict[str, Any]
     world_size: int
     port: int
+    prefix: str  # the test's keys in the session's store: ``test<N>/``
     timeout: float
     record: bool
     environ: dict[str, str]
@@ -214,6 +216,8 @@ class RankPools:
     _tests: int = 0
     _started: int = 0
     _replaced: list[tuple[int, str]] = field(default_factory=list)
+    _store: Any = None  # the session's TCPStore server, made by the first test
+    _unsettled: list[_RankProcess] = field(default_factory=list)  # reported, not yet put back
 
     def run(
         self,
@@ -235,25 +239,37 @@ class RankPools:
             RankError: a rank raised, died or outlived ``timeout``.
             RuntimeError: a rank process could not be started.
         """
-        from meshsim._process.loopback import loopback_store
-
+        self._settle()
         processes = self._processes(world_size)
-        store = loopback_store(world_size + 1, timeout=timeout)
-        job = _job(target, funcargs, world_size, store.port, timeout, record, self.spare_threads, cuda)
+        port = self._store_port(timeout)
+        job = _job(
+            target,
+            funcargs,
+            world_size,
+            port,
+            f"test{self._tests}/",
+            timeout,
+            record,
+            self.spare_threads,
+            cuda,
+        )
         payload = bytes(ForkingPickler.dumps(job))
         self._tests += 1
         try:
             for process in processes:
                 _send(process, payload)
             outcomes = _collect([p.process for p in processes], [p.conn for p in processes], timeout)
-            self._settle(processes, outcomes)
         except BaseException:
             for process in processes:  # interrupted mid-test: nothing about them is known
                 if process.usable():
                     self._drop(process, "the test was interrupted")
             raise
-        finally:
-            del store
+        for process in processes:
+            if outcomes[process.rank].kind in ("died", "timeout"):
+                self._drop(process, outcomes[process.rank].text)
+        # The others put themselves back (destroy their group, restore their state) while
+        # this process reports the test and sets up the next one, which waits for them first.
+        self._unsettled = [process for process in processes if process.usable()]
         _raise_first_failure(outcomes, world_size)
         return [outcomes[rank].ledger for rank in range(world_size)]
 
@@ -280,14 +296,24 @@ class RankPools:
                 raise
         return pool[:world_size]
 
-    def _settle(self, processes: list[_RankProcess], outcomes: dict[int, _Outcome]) -> None:
-        """Keep each process that reported and put itself back; end the others (the next test starts anew)."""
+    def _store_port(self, timeout: float) -> int:
+        """The port of the session's store: one server, and in each rank process one client, for every test.
+
+        A new client per test made about one gloo group in ten wait 5 s in its rendezvous
+        (``TCPStore::wait`` answered late on a fresh connection; 4 ranks, torch 2.13.0+cpu,
+        ``benchmarks/bench_spawn.py``): each test's keys get a prefix of their own instead.
+        """
+        from meshsim._process.loopback import loopback_store
+
+        if self._store is None:
+            self._store = loopback_store(1, timeout=timeout)
+        return int(self._store.port)
+
+    def _settle(self) -> None:
+        """After a test: keep each process that put itself back; end the others."""
+        unsettled, self._unsettled = self._unsettled, []
         deadline = time.monotonic() + _CLEANUP
-        for process in processes:
-            outcome = outcomes[process.rank]
-            if outcome.kind in ("died", "timeout"):
-                self._drop(process, outcome.text)
-                continue
+        for process in unsettled:
             message = _receive_by(process.conn, deadline)
             if not isinstance(message, _Cleaned):
                 self._drop(process, f"it did not put itself back within {_CLEANUP:g} s")
@@ -301,18 +327,22 @@ class RankPools:
 
     def pids(self) -> list[int]:
         """The pids of the live processes of this environment's pool, rank 0's first."""
+        self._settle()
         return [p.pid for p in self._pools.get(pool_key(), []) if p.usable() and p.pid is not None]
 
     def statistics(self) -> PoolStatistics:
+        self._settle()
         return PoolStatistics(self._tests, self._started, tuple(self._replaced))
 
     def close(self) -> None:
         """End every kept process: ask each to leave, reap it, kill it if it does not leave in time."""
+        self._settle()
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             for process in pool:
                 if process.usable():
                     process.stop()
+        self._store = None  # the server closes with the last reference
 
 
 def _job(
@@ -320,13 +350,16 @@ def _job(
     funcargs: dict[str, Any],
     world_size: int,
     port: int,
+    prefix: str,
     timeout: float,
     record: bool,
     spare_threads: int,
     cuda: Spec | None,
 ) -> _Job:
     environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
-    return _Job(target, funcargs, world_size, port, timeout, record, environ, cwd, path, spare_threads, cuda)
+    return _Job(
+        target, funcargs, world_size, port, prefix, timeout, record, environ, cwd, path, spare_threads, cuda
+    )
 
 
 def _send(process: _RankProcess, payload: bytes) -> None:
@@ -410,8 +443,9 @@ def _run_job(job: _Job, rank: int, conn: Any, baseline: _Baseline) -> str | None
     baseline.enter(job)
     leaks = LeakCheck()
     try:
+        store = _test_store(job)
         _run_rank(
-            job.target, job.funcargs, rank, job.world_size, job.port, job.timeout, job.record, pipe, job.cuda
+            job.target, job.funcargs, rank, job.world_size, store, job.timeout, job.record, pipe, job.cuda
         )
     except BaseException as exc:  # before the body (store, rendezvous) or after it (destroying the group)
         pipe.send(_Outcome("error", format_user_traceback(exc), time.time()))
@@ -420,6 +454,22 @@ def _run_job(job: _Job, rank: int, conn: Any, baseline: _Baseline) -> str | None
         _undo_monkeypatches(job.funcargs)
         _flush()
     return baseline.restore(leaks, job.spare_threads)
+
+
+_CLIENTS: dict[int, Any] = {}  # this process's client of the session's store, by port
+
+
+def _test_store(job: _Job) -> Any:
+    """The test's view of the session's store: this process's one client, the test's key prefix."""
+    import datetime
+
+    from torch._C._distributed_c10d import PrefixStore
+
+    client = _CLIENTS.get(job.port)
+    if client is None:
+        client = _CLIENTS[job.port] = client_store(job.port, job.world_size, job.timeout)
+    client.set_timeout(datetime.timedelta(seconds=job.timeout))
+    return PrefixStore(job.prefix, client)
 
 
 def _undo_monkeypatches(funcargs: dict[str, Any]) -> None:
