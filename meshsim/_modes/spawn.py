@@ -292,6 +292,10 @@ def _run_rank(
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=delta)
     emulating = _emulate_cuda(cuda)
+    if emulating is not None:  # as on real GPUs above: the rank's own
+        from meshsim._process.cuda import take_local_device
+
+        take_local_device(rank)
     recorder: DispatchRecorder | None = None
     try:
         test = target.load()

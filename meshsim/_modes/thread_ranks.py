@@ -16,12 +16,28 @@ from meshsim._modes.fixtures import RankFixtures, resolve
 from meshsim._process.cuda import Spec
 from meshsim._record.ledger import Ledger
 
-__all__ = ["TestFunction", "run_on_threads"]
+__all__ = ["TestFunction", "local_device", "run_on_threads"]
 
 TestFunction = Callable[..., object]
 
 
-def _body(test: TestFunction, funcargs: dict[str, Any], record: bool) -> Ledger | None:
+def local_device() -> None:
+    """The calling rank starts on its local emulated GPU, as meshsim's torchrun ranks on real ones.
+
+    Where meshsim makes a test's default group, its torchrun ranks and spawned ranks with
+    GPUs call ``torch.cuda.set_device(LOCAL_RANK)``; thread ranks emulating CUDA do the
+    same (nothing where the thread does not emulate CUDA).
+    """
+    import torch.distributed as dist
+
+    from meshsim._process.cuda import take_local_device
+
+    take_local_device(dist.get_rank())
+
+
+def _body(test: TestFunction, funcargs: dict[str, Any], record: bool, cuda: bool) -> Ledger | None:
+    if cuda:
+        local_device()  # before the rank's fixtures: they may make tensors on it
     fixtures = RankFixtures()
     if record:
         fixtures.open_ledger()
@@ -52,7 +68,7 @@ def run_on_threads(
         each rank's ledger of the body, rank 0's first: recorded when ``record`` is
         true or the test asked for its ``ledger``, else None.
     """
-    body = functools.partial(_body, test, funcargs, record)
+    body = functools.partial(_body, test, funcargs, record, cuda is not None)
     # traces and error tables call the world's function by the test's name, not this module's
     body.__qualname__ = getattr(test, "__qualname__", None) or getattr(test, "__name__", "test")  # type: ignore[attr-defined]
     return run(

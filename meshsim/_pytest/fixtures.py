@@ -112,14 +112,21 @@ def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: p
     spec = spec_of(item)
     if spec is None or (spec.backend or state.backend) == "spawn":
         return None  # spawned ranks get pickled arguments: fixtures run here
-    if not is_user_code(_source_file(fixturedef.func), request.config.rootpath, plugin_files(request.config)):
+    xunit = _is_xunit(fixturedef)
+    if not xunit and not is_user_code(
+        _source_file(fixturedef.func), request.config.rootpath, plugin_files(request.config)
+    ):
         return None
     values = {name: request.getfixturevalue(name) for name in fixturedef.argnames}
-    if fixturedef.scope == "function" and not any(isinstance(v, PerRank) for v in values.values()):
+    if (
+        fixturedef.scope == "function"
+        and not xunit
+        and not any(isinstance(v, PerRank) for v in values.values())
+    ):
         return None
     func = fixturedef.func
     instance = getattr(request, "instance", None)
-    if instance is not None and inspect.isfunction(func) and "." in func.__qualname__:
+    if instance is not None and not xunit and inspect.isfunction(func) and "." in func.__qualname__:
         func = func.__get__(instance)  # a fixture defined in a test class
     if "monkeypatch" in values:  # what a torchrun process patches is its own
         values["monkeypatch"] = rank_monkeypatch(item)
@@ -129,6 +136,17 @@ def _on_ranks(state: PluginState, fixturedef: pytest.FixtureDef[Any], request: p
         world = job.world()
         request.addfinalizer(lambda: job.finish_fixture(key, world))
     return recipe(fixturedef.argname, func, values, fixturedef.scope, key)
+
+
+def _is_xunit(fixturedef: pytest.FixtureDef[Any]) -> bool:
+    """Whether this is pytest's fixture for a test module's or class's ``setup_*`` / ``teardown_*``.
+
+    They run the user's own set-up, for its effects only (``dist.init_process_group``, a
+    parallel state's groups), which each torchrun process has for itself: on every rank,
+    whatever their scope. pytest names them ``_xunit_setup_<kind>_fixture_<module or class>``
+    (pytest 8 and 9) and defines them in its own module, so the source file does not tell.
+    """
+    return fixturedef.argname.startswith("_xunit_setup_")
 
 
 def _source_file(func: Any) -> str | None:

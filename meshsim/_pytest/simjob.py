@@ -44,6 +44,7 @@ from meshsim._base import MESHSIM_DIR
 from meshsim._base.context import current
 from meshsim._engine import Ledger, Session, restart_numbering
 from meshsim._modes.fixtures import PerRank, RankFixtures, resolve
+from meshsim._modes.thread_ranks import local_device
 
 __all__ = ["PER_PROCESS_HOOKS", "SimulatedJob", "is_user_code", "plugin_files"]
 
@@ -131,6 +132,8 @@ class SimulatedJob:
         self.session = Session(
             world_size, backend=backend, timeout=timeout, num_threads=num_threads, cuda=cuda
         )
+        if cuda is not None:  # each world's ranks start on their local GPU, as meshsim's torchrun ranks
+            self.session.add_setup(local_device)
         self._fixtures: dict[int, RankFixtures] = {}  # each rank's, in the current world
         self._fixtures_world = 0  # which world they belong to
         self._wrapped: list[tuple[Any, Callable[..., Any]]] = []  # (hook impl, its own function)

@@ -220,11 +220,55 @@ def test_the_example_tree_passes_on_8_simulated_ranks_with_cuda_emulated(tree: p
         "-p",
         "no:cacheprovider",
     )
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
 
 
 @pytest.mark.slow  # torchrun
 def test_the_example_tree_passes_under_torchrun(tree: pytest.Pytester) -> None:
     result = torchrun_pytest(tree, "--mesh-unmarked=ranks", timeout=300)
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["*5 passed*"])
+    result.stdout.fnmatch_lines(["*6 passed*"])
+
+
+# Set-up written for torchrun: pytest's xunit functions, and a helper that sets the device only
+# before it makes the group (as Megatron's Utils.initialize_distributed does).
+XUNIT = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+LOCAL_RANK = int(os.environ["LOCAL_RANK"])
+SEEN = {}  # this rank's: the test module is each rank's own import
+
+def setup_module():
+    SEEN["module"] = dist.get_rank()
+
+def setup_function():
+    if not dist.is_initialized():  # under torchrun without meshsim's group
+        torch.cuda.set_device(LOCAL_RANK)
+        dist.init_process_group("nccl")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # a collective: every rank must run the set-up
+    SEEN["function"] = t.item()
+
+def test_the_set_up_ran_on_this_rank():
+    assert SEEN == {"module": dist.get_rank(), "function": dist.get_world_size()}
+
+def test_each_rank_starts_on_its_local_gpu():
+    assert torch.cuda.current_device() == LOCAL_RANK
+    assert torch.ones(1, device="cuda").device == torch.device("cuda", LOCAL_RANK)
+
+@pytest.mark.world(2)
+def test_a_world_of_its_own_too(rank):
+    assert torch.cuda.current_device() == rank
+"""
+
+
+def test_xunit_set_up_runs_on_every_rank_and_each_starts_on_its_local_gpu(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_xunit=XUNIT)
+    result = pytester.runpytest_subprocess(
+        "--multigpu-static", "--mesh-unmarked=ranks", "--mesh-cuda=cpu", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=3)

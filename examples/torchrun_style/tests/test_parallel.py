@@ -48,3 +48,22 @@ def test_data_parallel_groups_cross_the_tensor_parallel_ones() -> None:
     dist.all_reduce(t, group=ps.get_data_parallel_group())
     assert t.item() == Utils.world_size // 2
     Utils.destroy_model_parallel()
+
+
+class TestWithSetUpMethods:
+    """pytest's xunit set-up (``setup_method``, as Megatron's test classes write it) runs in every process."""
+
+    def setup_method(self, method: object) -> None:
+        Utils.initialize_model_parallel(2)
+        if torch.cuda.is_available():  # each process's own GPU: its local rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+
+    def teardown_method(self, method: object) -> None:
+        Utils.destroy_model_parallel()
+
+    def test_the_set_up_made_this_ranks_groups(self) -> None:
+        t = torch.ones(1, device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
+        assert t.item() == 2
+        if torch.cuda.is_available():
+            assert t.device == torch.device("cuda", rank % torch.cuda.device_count())

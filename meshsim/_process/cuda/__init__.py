@@ -53,7 +53,7 @@ torch.Tensor's Python face), :mod:`.api` (``torch.cuda``'s stand-ins), :mod:`.in
 
 from __future__ import annotations
 
-from meshsim._process.cuda.install import changes, emulated_here, enter_rank, leave_rank
+from meshsim._process.cuda.install import changes, emulated_here, enter_rank, leave_rank, take_local_device
 from meshsim._process.cuda.spec import IN_USE, Spec, devices_from_environment, parse, resolve, spec_here
 from meshsim._process.cuda.tensors import device_of
 
@@ -69,4 +69,5 @@ __all__ = [
     "parse",
     "resolve",
     "spec_here",
+    "take_local_device",
 ]

@@ -206,6 +206,19 @@ def emulating() -> bool:
     return _HERE.cuda is not None
 
 
+def take_local_device(global_rank: int) -> None:
+    """Make the calling rank's current emulated GPU its local rank (its rank modulo the GPUs per node).
+
+    What meshsim's torchrun ranks do on real GPUs where meshsim makes the default group
+    (``torch.cuda.set_device(LOCAL_RANK)``), for the ranks whose group meshsim makes in
+    pytest: a test tree's helper that sets the device only before it initializes the group
+    (``if not dist.is_initialized(): torch.cuda.set_device(...)``) finds it set. Nothing
+    where the thread does not emulate CUDA.
+    """
+    if _HERE.cuda is not None:
+        rank.now().current = global_rank % rank.device_count()
+
+
 def emulated_here() -> Spec | None:
     """What the calling thread emulates, as it was asked for (before sizing): None where it does not."""
     mode = _HERE.cuda
