@@ -294,6 +294,28 @@ def _overridden(kind: type) -> tuple[str, ...]:
     return hooks
 
 
+def _mismatch_cause(ranks: tuple[int, ...], other: tuple[int, ...], caller: int) -> str:
+    """The likely cause of a new_group() whose ranks differ between ranks, for its error."""
+    shared = (
+        "Where every rank runs the same code, the likely cause is state the rank threads share "
+        "that each torchrun process has its own of (a parallel-state module's globals, set by the "
+        "rank before): declare its module per rank with meshsim.per_rank_module(...) (pytest: "
+        "--mesh-per-rank-modules)"
+    )
+    if caller in ranks and not set(ranks) & set(other):
+        # Each rank passed its own subgroup's ranks (Megatron-core 0.19's
+        # test_expert_all_gather_group: new_group(ranks=<this rank's expert-dp ranks>)).
+        return (
+            "Here the two lists do not overlap and each holds the rank that passed it: the code may "
+            "pass each rank its own subgroup's ranks, which torch does not allow (every rank makes "
+            "every subgroup: call new_group() once per subgroup on every rank, or use "
+            "dist.new_subgroups_by_enumeration); NCCL lets it pass only while the group is never "
+            "used, since it makes its communicators lazily, and gloo waits out its timeout. "
+            "Otherwise: " + shared
+        )
+    return shared
+
+
 @dataclass
 class Rendezvous:
     """Every group of one world, by name, and the world's instruments (told at every call)."""
@@ -317,10 +339,7 @@ class Rendezvous:
                     f"rank {caller} created process group {name!r} with ranks {list(ranks)}, "
                     f"but another rank created it with ranks {list(group.ranks)}: every rank "
                     "must call new_group() (and build device meshes) with the same ranks "
-                    "in the same order. Where every rank runs the same code, the likely cause is "
-                    "state the rank threads share that each torchrun process has its own of (a "
-                    "parallel-state module's globals, set by the rank before): declare its module "
-                    "per rank with meshsim.per_rank_module(...) (pytest: --mesh-per-rank-modules)"
+                    "in the same order. " + _mismatch_cause(ranks, group.ranks, caller)
                 )
             return group
 

@@ -64,3 +64,31 @@ def test_new_subgroups_and_a_mesh_with_a_backend_override() -> None:
     overridden = "backend_override" in inspect.signature(init_device_mesh).parameters
     assert [r[1] for r in results] == ["gloo" if overridden else "meshsim"] * 4
     assert [r[2] for r in results] == [[4.0]] * 4
+
+
+def _own_subgroup() -> None:
+    rank = dist.get_rank()
+    dist.new_group([r for r in range(dist.get_world_size()) if r % 2 == rank % 2])
+
+
+def _shifted_subgroup() -> None:
+    dist.new_group([0, 1] if dist.get_rank() == 0 else [0, 1, 2, 3])
+
+
+def test_each_rank_passing_its_own_subgroup_is_named_as_the_cause() -> None:
+    # Megatron-core 0.19's test_expert_all_gather_group: new_group(ranks=<this rank's own expert-dp ranks>)
+    with pytest.raises(meshsim.RankError) as info:
+        meshsim.run(_own_subgroup, 4, timeout=10)
+    message = str(info.value)
+    assert "every rank must call new_group() (and build device meshes) with the same ranks" in message
+    assert "the code may pass each rank its own subgroup's ranks" in message
+    assert "dist.new_subgroups_by_enumeration" in message
+    assert "Otherwise: Where every rank runs the same code" in message
+
+
+def test_overlapping_lists_keep_the_shared_state_hint_only() -> None:
+    with pytest.raises(meshsim.RankError) as info:
+        meshsim.run(_shifted_subgroup, 4, timeout=10)
+    message = str(info.value)
+    assert "declare its module per rank with meshsim.per_rank_module" in message
+    assert "its own subgroup's ranks" not in message
