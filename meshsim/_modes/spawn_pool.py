@@ -32,6 +32,7 @@ the session ends (:meth:`RankPools.close`), and die with this process
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
 import multiprocessing
@@ -461,8 +462,6 @@ _CLIENTS: dict[int, Any] = {}  # this process's client of the session's store, b
 
 def _test_store(job: _Job) -> Any:
     """The test's view of the session's store: this process's one client, the test's key prefix."""
-    import datetime
-
     from torch._C._distributed_c10d import PrefixStore
 
     client = _CLIENTS.get(job.port)

@@ -35,8 +35,8 @@ def local_device() -> None:
     take_local_device(dist.get_rank())
 
 
-def _body(test: TestFunction, funcargs: dict[str, Any], record: bool, cuda: bool) -> Ledger | None:
-    if cuda:
+def _body(test: TestFunction, funcargs: dict[str, Any], record: bool, own_device: bool) -> Ledger | None:
+    if own_device:
         local_device()  # before the rank's fixtures: they may make tensors on it
     fixtures = RankFixtures()
     if record:
@@ -68,7 +68,8 @@ def run_on_threads(
         each rank's ledger of the body, rank 0's first: recorded when ``record`` is
         true or the test asked for its ``ledger``, else None.
     """
-    body = functools.partial(_body, test, funcargs, record, cuda is not None)
+    # gloo thread ranks run at once and share one current device (docs/cuda.md): none takes its own
+    body = functools.partial(_body, test, funcargs, record, cuda is not None and backend == "sim")
     # traces and error tables call the world's function by the test's name, not this module's
     body.__qualname__ = getattr(test, "__qualname__", None) or getattr(test, "__name__", "test")  # type: ignore[attr-defined]
     return run(

@@ -132,7 +132,8 @@ class SimulatedJob:
         self.session = Session(
             world_size, backend=backend, timeout=timeout, num_threads=num_threads, cuda=cuda
         )
-        if cuda is not None:  # each world's ranks start on their local GPU, as meshsim's torchrun ranks
+        if cuda is not None and backend == "sim":  # each rank on its local GPU, as torchrun ranks
+            # (gloo thread ranks run at once and share one current device: none takes its own)
             self.session.add_setup(local_device)
         self._fixtures: dict[int, RankFixtures] = {}  # each rank's, in the current world
         self._fixtures_world = 0  # which world they belong to

@@ -269,6 +269,6 @@ def test_xunit_set_up_runs_on_every_rank_and_each_starts_on_its_local_gpu(pytest
     pytester.makeini("[pytest]\n")
     pytester.makepyfile(test_xunit=XUNIT)
     result = pytester.runpytest_subprocess(
-        "--multigpu-static", "--mesh-unmarked=ranks", "--mesh-cuda=cpu", "-p", "no:cacheprovider"
+        "--multigpu-static", "--mesh-unmarked=ranks", "--mesh-cuda=cpu", "-p", "no:cacheprovider", timeout=300
     )
     result.assert_outcomes(passed=3)
